@@ -1,0 +1,1 @@
+"""HF <-> JAX weight conversion: targets in, drafters in and out."""

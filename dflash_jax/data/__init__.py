@@ -1,0 +1,1 @@
+"""Chat data -> tokenised, loss-masked, packed batches."""

@@ -1,0 +1,1 @@
+"""The DFlash drafter: config, model, attention."""

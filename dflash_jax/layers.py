@@ -1,0 +1,161 @@
+"""Building blocks shared by the target models and the drafter: RMSNorm, RoPE, SwiGLU MLP.
+
+Shapes use named dimensions in einsums: B batch, T length, D model width (embed), N query heads,
+K kv heads, H head_dim, F mlp width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs | None, shape, logical_axes, dtype, init="normal", scale=0.02):
+    """An nnx.Param carrying its logical axes (used to place it on a mesh)."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(logical_axes))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF-style RMSNorm: normalise in fp32, scale by weight in the input dtype."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * x32.astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, logical_axes=("norm",)):
+        self.eps = eps
+        self.weight = param(None, (dim,), logical_axes, dtype, init="ones")
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE settings in HF terms. ``rope_type`` is one of default | linear | llama3."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    SUPPORTED = ("default", "linear", "llama3")
+
+    def __post_init__(self):
+        if self.rope_type not in self.SUPPORTED:
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(self.SUPPORTED)}"
+            )
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> RopeConfig:
+        """Read rope settings from an HF config dict (transformers 4.x and 5.x layouts)."""
+        params = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or {}
+        if scaling:
+            params = {**scaling, **params}
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        kw = dict(theta=float(theta), rope_type=rope_type)
+        if rope_type == "linear":
+            kw["factor"] = float(params["factor"])
+        elif rope_type == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if key not in params:
+                    raise ValueError(f"llama3 rope scaling needs {key!r} in rope_parameters/rope_scaling")
+            kw.update(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """The transformers-5 ``rope_parameters`` dict (also valid as legacy ``rope_scaling``)."""
+        out = {"rope_type": self.rope_type, "rope_theta": self.theta}
+        if self.rope_type == "linear":
+            out["factor"] = self.factor
+        elif self.rope_type == "llama3":
+            out.update(
+                factor=self.factor,
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return out
+
+
+def rope_inv_freq(config: RopeConfig, head_dim: int) -> jax.Array:
+    inv_freq = 1.0 / (config.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.factor
+    elif config.rope_type == "llama3":
+        low_wavelen = config.original_max_position_embeddings / config.low_freq_factor
+        high_wavelen = config.original_max_position_embeddings / config.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / config.factor, inv_freq)
+        smooth = (config.original_max_position_embeddings / wavelen - config.low_freq_factor) / (
+            config.high_freq_factor - config.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / config.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(positions: jax.Array, config: RopeConfig, head_dim: int):
+    """cos/sin tables [..., head_dim] for integer positions [...] (HF half-rotation layout)."""
+    inv_freq = rope_inv_freq(config, head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, H]; cos/sin [B, T, H]. Computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[..., None, :] + rotated * sin[..., None, :]
+    return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# MLP
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu_mlp(x, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None):
+    """x [B,T,D]; gate/up [D,F]; down [F,D]."""
+    g = jnp.einsum("BTD,DF->BTF", x, gate.astype(x.dtype))
+    u = jnp.einsum("BTD,DF->BTF", x, up.astype(x.dtype))
+    if gate_bias is not None:
+        g = g + gate_bias.astype(x.dtype)
+    if up_bias is not None:
+        u = u + up_bias.astype(x.dtype)
+    y = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, down.astype(x.dtype))
+    if down_bias is not None:
+        y = y + down_bias.astype(x.dtype)
+    return y

@@ -1,0 +1,135 @@
+"""Device mesh and logical-axis sharding rules.
+
+Every parameter and activation is annotated with *logical* axis names (``embed``, ``heads``, ...).
+One table maps logical names to the physical mesh axes ``data``, ``fsdp`` and ``tensor``, so a
+layout change is a change of rules, not of model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # parameters
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("features", "fsdp"),
+)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the (data, fsdp, tensor) mesh; -1 for one axis means "all remaining devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {self}")
+        for name, s in zip(MESH_AXES, sizes, strict=True):
+            if s == 0 or s < -1:
+                raise ValueError(f"MeshConfig.{name} must be a positive size or -1, got {s}")
+        known = int(np.prod([s for s in sizes if s != -1]))
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(f"MeshConfig {self}: {num_devices} devices not divisible by {known}")
+            sizes[sizes.index(-1)] = num_devices // known
+        if int(np.prod(sizes)) != num_devices:
+            raise ValueError(
+                f"MeshConfig {self}: data*fsdp*tensor = {int(np.prod(sizes))} but {num_devices} devices"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (sharding constraints are honoured by XLA)."""
+    config = config or MeshConfig()
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = config.resolve(len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None] | None, rules=DEFAULT_RULES, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once per spec."""
+    if logical_axes is None:
+        return PartitionSpec()
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"no sharding rule for logical axis {name!r}")
+        target = table[name]
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(
+            a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
+        )
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def spec_fits(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """Drop mesh axes that do not divide the dimension they shard (e.g. 3 kv heads on 2 devices)."""
+    out = []
+    for i, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        out.append(entry if size == 1 or shape[i] % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def named_sharding(
+    mesh: Mesh, logical_axes: Sequence[str | None] | None, shape: Sequence[int], rules=DEFAULT_RULES
+) -> NamedSharding:
+    return NamedSharding(mesh, spec_fits(logical_to_spec(logical_axes, rules, mesh), shape, mesh))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None):
+    """with_sharding_constraint by logical names; a no-op outside a mesh context."""
+    mesh = mesh or _current_mesh()
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, x.shape))
+
+
+def _current_mesh() -> Mesh | None:
+    try:
+        m = jax.sharding.get_abstract_mesh()
+    except Exception:  # noqa: BLE001 - older/newer jax without an abstract mesh API
+        return None
+    if m is None or m.empty:
+        return None
+    return m

@@ -1,0 +1,1 @@
+"""Frozen target LLMs (Qwen3, Qwen2, Llama) in Flax NNX."""

@@ -1,0 +1,1 @@
+"""Pallas kernels and their XLA references (only jax needed)."""
