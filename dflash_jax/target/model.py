@@ -1,0 +1,265 @@
+"""The frozen target LLM in Flax NNX: one decoder-only transformer for Llama, Qwen2 and Qwen3.
+
+Layer weights are stacked on a leading ``layers`` axis and applied with ``lax.scan``, so compile
+time does not grow with depth. A forward returns the final logits, the final normed hidden state
+(what lm_head sees) and the raw outputs of any requested layers (the drafter's features).
+
+Dimension names: B batch, T query length, S key length, D model width, N query heads,
+K kv heads, G query heads per kv head, H head_dim, F mlp width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu_mlp
+from dflash_jax.sharding import constrain
+from dflash_jax.target.config import TargetConfig
+
+_NEG_INF = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """Preallocated per-layer K/V with per-row lengths.
+
+    New tokens are written at ``lengths[b] + t``; cropping a row after a rejected speculation is
+    just lowering its length (stale entries beyond it are masked and later overwritten).
+    """
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def with_lengths(self, lengths) -> KVCache:
+        return KVCache(self.k, self.v, jnp.asarray(lengths, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TargetOutput:
+    logits: jax.Array | None  # [B, T, V]
+    hidden: jax.Array  # [B, T, D] after the final norm
+    features: jax.Array  # [B, T, len(layer_ids) * D] raw layer outputs, in layer_ids order
+    cache: KVCache | None = None
+
+
+# Stacked per-layer parameters: name -> (shape builder, logical axes, init)
+def _layer_param_specs(c: TargetConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
+    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    specs = {
+        "input_norm": ((D,), ("norm",), "ones"),
+        "q": ((D, N, H), ("embed", "heads", "head_dim"), "normal"),
+        "k": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
+        "v": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
+        "o": ((N, H, D), ("heads", "head_dim", "embed"), "normal"),
+        "post_norm": ((D,), ("norm",), "ones"),
+        "gate": ((D, F), ("embed", "mlp"), "normal"),
+        "up": ((D, F), ("embed", "mlp"), "normal"),
+        "down": ((F, D), ("mlp", "embed"), "normal"),
+    }
+    if c.attention_bias:
+        specs.update(
+            q_bias=((N, H), ("heads", "head_dim"), "zeros"),
+            k_bias=((K, H), ("kv_heads", "head_dim"), "zeros"),
+            v_bias=((K, H), ("kv_heads", "head_dim"), "zeros"),
+        )
+    if c.o_proj_bias:
+        specs["o_bias"] = ((D,), ("norm",), "zeros")
+    if c.mlp_bias:
+        specs.update(
+            gate_bias=((F,), ("mlp",), "zeros"),
+            up_bias=((F,), ("mlp",), "zeros"),
+            down_bias=((D,), ("norm",), "zeros"),
+        )
+    if c.qk_norm:
+        specs.update(q_norm=((H,), ("head_dim",), "ones"), k_norm=((H,), ("head_dim",), "ones"))
+    return specs
+
+
+class DecoderStack(nnx.Module):
+    """All decoder layers, each parameter stacked as [L, ...]."""
+
+    def __init__(self, config: TargetConfig, *, param_dtype, rngs: nnx.Rngs):
+        self.names = tuple(_layer_param_specs(config))
+        for name, (shape, axes, init) in _layer_param_specs(config).items():
+            setattr(
+                self,
+                name,
+                param(rngs, (config.num_layers, *shape), ("layers", *axes), param_dtype, init=init),
+            )
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool -> [B,T,N,H]. Softmax in fp32."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def _write_rows(buf, new, starts):
+    """buf [B,S,...], new [B,T,...], write new[b] at buf[b, starts[b]:starts[b]+T]."""
+
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
+
+    return jax.vmap(one)(buf, new, starts)
+
+
+class TargetModel(nnx.Module):
+    """Frozen decoder-only LLM. Call: ``target(input_ids, positions=None, *, layer_ids=())``."""
+
+    def __init__(self, config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        c = config
+        self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
+        self.layers = DecoderStack(c, param_dtype=self.dtype, rngs=rngs)
+        self.norm = param(None, (c.hidden_size,), ("norm",), self.dtype, init="ones")
+        if not c.tie_word_embeddings:
+            self.lm_head = param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), self.dtype)
+
+    # ---- pieces the drafter and the trainer use directly -------------------------------------
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        """Raw embed_tokens lookup (no scaling): [...] -> [..., D]."""
+        return jnp.take(self.embed_tokens[...], ids, axis=0)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V]: the untied lm_head, or embed_tokens transposed when tied."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """lm_head only (hidden already final-normed): [..., D] -> [..., V]."""
+        w = self.lm_head_weight()
+        return jnp.einsum("...D,DV->...V", hidden, w.astype(hidden.dtype))
+
+    def init_cache(self, batch: int, capacity: int, dtype: Any = None) -> KVCache:
+        c = self.config
+        shape = (c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim)
+        dtype = dtype or self.dtype
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        layer_ids: tuple[int, ...] | list[int] = (),
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> TargetOutput:
+        """Run the target.
+
+        input_ids [B,T]. positions [B,T] (default: 0..T-1, or cache length + t with a cache).
+        segment_ids [B,T]: packed documents; a token attends only within its segment (no cache).
+        cache: a KVCache; the new tokens are appended at each row's length and attend to the
+        cache prefix plus themselves (causally). The returned cache has lengths += T.
+        """
+        c = self.config
+        layer_ids = tuple(int(i) for i in layer_ids)
+        for i in layer_ids:
+            if not 0 <= i < c.num_layers:
+                raise ValueError(f"layer_ids: {i} is outside [0, {c.num_layers}) for this target")
+        B, T = input_ids.shape
+        if positions is None:
+            base = cache.lengths[:, None] if cache is not None else jnp.zeros((B, 1), jnp.int32)
+            positions = base + jnp.arange(T, dtype=jnp.int32)[None]
+
+        x = self.embed(input_ids).astype(self.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        cos, sin = rope_cos_sin(positions, c.rope, c.head_dim)
+
+        if cache is None:
+            seg = segment_ids if segment_ids is not None else jnp.ones((B, T), jnp.int32)
+            t_idx = jnp.arange(T)
+            mask = (t_idx[None, :, None] >= t_idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache")
+            s_idx = jnp.arange(cache.capacity)
+            q_abs = cache.lengths[:, None] + jnp.arange(T)[None]  # [B,T] slot index of each query
+            mask = s_idx[None, None, :] <= q_abs[:, :, None]
+
+        # Unique tapped layers, each written once into a buffer row; row U is a discard slot.
+        unique = tuple(sorted(set(layer_ids)))
+        slot_of_layer = jnp.array(
+            [unique.index(i) if i in unique else len(unique) for i in range(c.num_layers)], jnp.int32
+        )
+        feats0 = jnp.zeros((len(unique) + 1, B, T, c.hidden_size), self.dtype)
+        scale = c.head_dim**-0.5
+
+        def layer(carry, xs):
+            h, feats = carry
+            p, slot, kv = xs
+            y = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q = jnp.einsum("BTD,DNH->BTNH", y, p["q"])
+            k = jnp.einsum("BTD,DKH->BTKH", y, p["k"])
+            v = jnp.einsum("BTD,DKH->BTKH", y, p["v"])
+            if c.attention_bias:
+                q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+            if c.qk_norm:
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = constrain(q, ("batch", "length", "act_heads", None))
+            if kv is not None:
+                k_all = _write_rows(kv[0], k.astype(kv[0].dtype), cache.lengths)
+                v_all = _write_rows(kv[1], v.astype(kv[1].dtype), cache.lengths)
+                new_kv = (k_all, v_all)
+                k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            else:
+                new_kv = None
+            attn = _attend(q, k, v, mask, scale)
+            out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
+            if c.o_proj_bias:
+                out = out + p["o_bias"]
+            h = h + out
+            y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+            h = h + swiglu_mlp(
+                y, p["gate"], p["up"], p["down"],
+                gate_bias=p.get("gate_bias"), up_bias=p.get("up_bias"), down_bias=p.get("down_bias"),
+            )
+            h = constrain(h, ("batch", "length", "act_embed"))
+            feats = jax.lax.dynamic_update_index_in_dim(feats, h, slot, axis=0)
+            return (h, feats), new_kv
+
+        kv_xs = (cache.k, cache.v) if cache is not None else None
+        (h, feats), new_kv = jax.lax.scan(
+            layer, (x, feats0), (self.layers.stacked(), slot_of_layer, kv_xs)
+        )
+
+        hidden = rms_norm(h, self.norm[...], c.rms_norm_eps)
+        if layer_ids:
+            features = jnp.concatenate([feats[unique.index(i)] for i in layer_ids], axis=-1)
+        else:
+            features = jnp.zeros((B, T, 0), self.dtype)
+        logits = self.logits(hidden) if return_logits else None
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(new_kv[0], new_kv[1], cache.lengths + T)
+        return TargetOutput(logits=logits, hidden=hidden, features=features, cache=new_cache)
