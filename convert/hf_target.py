@@ -139,7 +139,9 @@ def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: 
         if key in present and tuple(reader.shape(key)) != want:
             problems.append(f"tensor {key!r} has shape {tuple(reader.shape(key))}, expected {want}")
     if problems:
-        raise ValueError(f"checkpoint {reader.directory} does not match its config.json: " + "; ".join(problems))
+        raise ValueError(
+            f"checkpoint {reader.directory} does not match its config.json: " + "; ".join(problems)
+        )
     return rules
 
 

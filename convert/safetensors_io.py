@@ -59,7 +59,9 @@ class SafetensorsFile:
         data_len = size - self._data_start
         for name, e in header.items():
             if e.get("dtype") not in _DTYPES:
-                raise CorruptCheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')}")
+                raise CorruptCheckpointError(
+                    f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')}"
+                )
             start, end = e["data_offsets"]
             want = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(_DTYPES[e["dtype"]]).itemsize
             if end > data_len or end - start != want:
@@ -115,7 +117,9 @@ class CheckpointReader:
                         )
             for name, fname in weight_map.items():
                 if name not in self._files[fname]._entries:
-                    raise CorruptCheckpointError(f"{index} lists {name!r} in {fname}, but that shard lacks it")
+                    raise CorruptCheckpointError(
+                        f"{index} lists {name!r} in {fname}, but that shard lacks it"
+                    )
         elif single.is_file():
             self._files[single.name] = SafetensorsFile(single)
             self._where = {k: single.name for k in self._files[single.name].keys()}

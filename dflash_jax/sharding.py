@@ -71,9 +71,7 @@ def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | 
     config = config or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
     shape = config.resolve(len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_spec(
@@ -93,9 +91,7 @@ def logical_to_spec(
             raise KeyError(f"no sharding rule for logical axis {name!r}")
         target = table[name]
         axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(
-            a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
-        )
+        axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)

@@ -34,7 +34,9 @@ def hf_reference(model, ids):
     raw = {}
     hooks = [
         layer.register_forward_hook(
-            lambda mod, args, out, i=i: raw.__setitem__(i, (out[0] if isinstance(out, tuple) else out).numpy())
+            lambda mod, args, out, i=i: raw.__setitem__(
+                i, (out[0] if isinstance(out, tuple) else out).numpy()
+            )
         )
         for i, layer in enumerate(model.model.layers)
     ]
@@ -81,7 +83,9 @@ def test_parity_with_transformers(checkpoint):
         if layer < hf_model.config.num_hidden_layers - 1:
             np.testing.assert_allclose(ours, ref.hidden_states[layer + 1].numpy(), atol=1e-4, rtol=0)
         else:
-            assert np.abs(ours - ref.hidden_states[-1].numpy()).max() > 1e-2, "last-layer tap must be pre-norm"
+            assert np.abs(ours - ref.hidden_states[-1].numpy()).max() > 1e-2, (
+                "last-layer tap must be pre-norm"
+            )
 
     cfg = target.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.model_type) == (
@@ -95,7 +99,11 @@ def test_parity_with_transformers(checkpoint):
 @pytest.mark.parametrize("kind", ["qwen3", "llama3"])
 @pytest.mark.parametrize(
     "layout",
-    [MeshConfig(data=2, fsdp=2, tensor=2), MeshConfig(data=1, fsdp=4, tensor=2), MeshConfig(data=2, fsdp=1, tensor=4)],
+    [
+        MeshConfig(data=2, fsdp=2, tensor=2),
+        MeshConfig(data=1, fsdp=4, tensor=2),
+        MeshConfig(data=2, fsdp=1, tensor=4),
+    ],
     ids=["d2f2t2", "f4t2", "d2t4"],
 )
 def test_mesh_layouts_match_single_device(kind, layout, tmp_path_factory):
@@ -179,7 +187,9 @@ def test_missing_tensor_is_named(good_dir, tmp_path):
 
 
 def test_unexpected_tensor_is_named(good_dir, tmp_path):
-    bad = _rewrite(good_dir, tmp_path / "bad", lambda t: t.__setitem__("model.extra.weight", np.zeros(3, np.float32)))
+    bad = _rewrite(
+        good_dir, tmp_path / "bad", lambda t: t.__setitem__("model.extra.weight", np.zeros(3, np.float32))
+    )
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.extra\.weight"):
         dflash_jax.load_target(bad)
 
@@ -189,7 +199,9 @@ def test_wrong_shape_is_named(good_dir, tmp_path):
         t["model.layers.1.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
 
     bad = _rewrite(good_dir, tmp_path / "bad", edit)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape \(8, 64\), expected \(64, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape \(8, 64\), expected \(64, 64\)"
+    ):
         dflash_jax.load_target(bad)
 
 

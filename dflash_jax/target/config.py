@@ -42,8 +42,15 @@ class TargetConfig:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"TargetConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -61,8 +68,11 @@ class TargetConfig:
     def from_hf_dict(cls, hf: dict) -> TargetConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = " (Qwen3.5/3.6 hybrid linear attention is not implemented yet)" if str(
-                model_type).startswith("qwen3_") else ""
+            hint = (
+                " (Qwen3.5/3.6 hybrid linear attention is not implemented yet)"
+                if str(model_type).startswith("qwen3_")
+                else ""
+            )
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config.json{hint}; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -127,12 +137,16 @@ def _reject_unsupported_features(hf: dict, model_type: str) -> None:
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
         raise ValueError("config.json: use_sliding_window=true is not supported for target models")
     layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types) and hf.get(
-        "use_sliding_window", False
+    if (
+        layer_types
+        and any(t != "full_attention" for t in layer_types)
+        and hf.get("use_sliding_window", False)
     ):
         raise ValueError(f"config.json: unsupported layer_types {sorted(set(layer_types))}")
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("config.json: pretraining_tp != 1 is not supported")
     quant = hf.get("quantization_config")
     if quant:
-        raise ValueError(f"config.json: quantized checkpoints are not supported ({quant.get('quant_method')})")
+        raise ValueError(
+            f"config.json: quantized checkpoints are not supported ({quant.get('quant_method')})"
+        )

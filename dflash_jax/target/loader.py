@@ -49,6 +49,11 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
     abstract = nnx.eval_shape(lambda: TargetModel(config, dtype=dt, rngs=nnx.Rngs(0)))
     model = load_weights_into(abstract, reader, config, mesh, dt)
     model.mesh = mesh
-    log.info("loaded %s target (%d layers) from %s in %.1fs", config.model_type, config.num_layers, path,
-             time.perf_counter() - t0)
+    log.info(
+        "loaded %s target (%d layers) from %s in %.1fs",
+        config.model_type,
+        config.num_layers,
+        path,
+        time.perf_counter() - t0,
+    )
     return model

@@ -241,17 +241,20 @@ class TargetModel(nnx.Module):
             h = h + out
             y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
             h = h + swiglu_mlp(
-                y, p["gate"], p["up"], p["down"],
-                gate_bias=p.get("gate_bias"), up_bias=p.get("up_bias"), down_bias=p.get("down_bias"),
+                y,
+                p["gate"],
+                p["up"],
+                p["down"],
+                gate_bias=p.get("gate_bias"),
+                up_bias=p.get("up_bias"),
+                down_bias=p.get("down_bias"),
             )
             h = constrain(h, ("batch", "length", "act_embed"))
             feats = jax.lax.dynamic_update_index_in_dim(feats, h, slot, axis=0)
             return (h, feats), new_kv
 
         kv_xs = (cache.k, cache.v) if cache is not None else None
-        (h, feats), new_kv = jax.lax.scan(
-            layer, (x, feats0), (self.layers.stacked(), slot_of_layer, kv_xs)
-        )
+        (h, feats), new_kv = jax.lax.scan(layer, (x, feats0), (self.layers.stacked(), slot_of_layer, kv_xs))
 
         hidden = rms_norm(h, self.norm[...], c.rms_norm_eps)
         if layer_ids:

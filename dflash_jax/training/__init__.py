@@ -1,0 +1,1 @@
+"""Training internals: anchors, loss, the jitted step, checkpoints, metrics."""

@@ -1,0 +1,97 @@
+"""The drafter's loss against the target's own output distribution (invariants 2, 5, 6).
+
+Slot k (1..B-1) of the block anchored at p predicts token p+k; its label distribution is the
+target's logits at position p+k-1, i.e. ``lm_head(final_norm(last layer))`` there. Slot 0 holds the
+real token at p and carries no loss. Vocabularies are large (50k-250k), so logits exist only one
+chunk of slots at a time, recomputed in the backward pass (remat), never as [slots, V] at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The DFlash paper's decay by block size; other sizes fall back to (B-1)/2."""
+    return DEFAULT_GAMMA.get(block_size, max(1.0, (block_size - 1) / 2))
+
+
+def slot_weights(block_size: int, gamma: float | None = None, scheme: str = "decay") -> jax.Array:
+    """[B] weights: w_0 = 0; decay: w_k = exp(-(k-1)/gamma); uniform: w_k = 1."""
+    k = jnp.arange(block_size, dtype=jnp.float32)
+    if scheme == "decay":
+        g = default_gamma(block_size) if gamma is None else gamma
+        if g <= 0:
+            raise ValueError(f"loss gamma must be positive, got {g}")
+        w = jnp.exp(-(k - 1) / g)
+    elif scheme == "uniform":
+        w = jnp.ones_like(k)
+    else:
+        raise ValueError(f"unknown loss weighting {scheme!r} (decay | uniform)")
+    return w.at[0].set(0.0)
+
+
+def chunked_token_loss(
+    draft_hidden: jax.Array,
+    target_hidden: jax.Array,
+    lm_head: jax.Array,
+    *,
+    kind: str = "ce",
+    chunk: int = 1024,
+    compute_dtype=jnp.float32,
+):
+    """Per-item loss and correctness over N items without materialising [N, V].
+
+    draft_hidden, target_hidden [N, D] (both final-normed); lm_head [D, V] (frozen).
+    kind "ce": cross-entropy on the target's argmax; "kl": KL(target || draft) on full softmaxes.
+    Returns (loss [N] fp32, correct [N] bool, label [N] int32).
+    """
+    if kind not in ("ce", "kl"):
+        raise ValueError(f"unknown loss kind {kind!r} (ce | kl)")
+    N, D = draft_hidden.shape
+    chunk = max(1, min(chunk, N))
+    n_chunks = math.ceil(N / chunk)
+    pad = n_chunks * chunk - N
+    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+    th = jax.lax.stop_gradient(target_hidden)
+    dh = jnp.pad(draft_hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+    th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+
+    @jax.checkpoint
+    def one(args):
+        d, t = args
+        t_logits = jnp.einsum("CD,DV->CV", t.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+        d_logits = jnp.einsum("CD,DV->CV", d.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+        label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
+        d_logp = jax.nn.log_softmax(d_logits, axis=-1)
+        if kind == "ce":
+            loss = -jnp.take_along_axis(d_logp, label[:, None], axis=-1)[:, 0]
+        else:
+            t_logp = jax.nn.log_softmax(t_logits, axis=-1)
+            loss = jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), axis=-1)
+        correct = jnp.argmax(d_logits, axis=-1) == label
+        return loss, correct, label
+
+    loss, correct, label = jax.lax.map(one, (dh, th))
+    return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
+
+
+def block_metrics(correct: jax.Array, item_mask: jax.Array, anchor_valid: jax.Array):
+    """correct/item_mask [R,A,B-1] for slots 1..B-1; anchor_valid [R,A].
+
+    Returns per-slot accuracy [B-1] and the teacher-forced streak: the mean over valid anchors of
+    1 + sum_k prod_{i<=k} correct_i (a masked slot ends the streak).
+    """
+    ok = correct & item_mask
+    denom = jnp.maximum(jnp.sum(item_mask, axis=(0, 1)), 1)
+    per_slot = jnp.sum(ok, axis=(0, 1)) / denom
+    run = jnp.cumprod(ok.astype(jnp.float32), axis=-1)
+    streak = 1.0 + jnp.sum(run, axis=-1)
+    n_valid = jnp.maximum(jnp.sum(anchor_valid), 1)
+    mean_streak = jnp.sum(jnp.where(anchor_valid, streak, 0.0)) / n_valid
+    return per_slot, mean_streak

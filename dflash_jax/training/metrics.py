@@ -1,0 +1,80 @@
+"""Training metrics: a JSONL log, TensorBoard event files and a final PNG of loss and streak."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+class MetricLogger:
+    def __init__(self, directory: str | Path, *, tensorboard: bool = True):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.directory / "metrics.jsonl"
+        self._jsonl = open(self.jsonl_path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.directory / "tensorboard"))
+
+    def log(self, step: int, metrics: dict, prefix: str = "train"):
+        flat = {}
+        for k, v in metrics.items():
+            arr = np.asarray(v)
+            if arr.ndim == 0:
+                flat[k] = float(arr)
+            else:
+                for i, x in enumerate(arr.reshape(-1)):
+                    flat[f"{k}/{i + 1}" if k == "slot_acc" else f"{k}/{i}"] = float(x)
+        record = {"step": int(step), "split": prefix, **flat}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in flat.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+            self._tb.flush()
+
+    def close(self):
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl_path)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for split, style in (("train", "-"), ("heldout", "o--")):
+        pts = [r for r in rows if r.get("split") == split]
+        if not pts:
+            continue
+        steps = [r["step"] for r in pts]
+        axes[0].plot(steps, [r["loss"] for r in pts], style, label=split)
+        axes[1].plot(steps, [r["streak"] for r in pts], style, label=split)
+    axes[0].set_title("loss")
+    axes[1].set_title("streak (teacher-forced accepted length)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

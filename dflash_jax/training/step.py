@@ -1,0 +1,136 @@
+"""One training step: frozen target forward -> anchors -> drafter -> chunked loss -> optax update.
+
+Everything here is traced under one ``jax.jit``; the batch walks data -> target -> drafter -> loss
+-> optimizer without coming back. Labels are the target's own final logits (invariant 2); the
+drafter's input features may be noised, the hidden state that makes the labels never is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dflash_jax.training.anchors import block_positions, sample_anchors
+from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    block_size: int
+    max_anchors: int
+    target_layer_ids: tuple[int, ...]
+    loss: str = "ce"
+    loss_weighting: str = "decay"
+    gamma: float | None = None
+    loss_chunk: int = 1024
+    compute_dtype: str = "float32"
+    feature_noise_std: float = 0.0
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=train_cfg.learning_rate,
+        warmup_steps=train_cfg.warmup_steps,
+        decay_steps=train_cfg.steps,
+        end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(train_cfg.grad_clip),
+        optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, weight_decay=train_cfg.weight_decay),
+    )
+
+
+def target_pass(target, batch, cfg: StepConfig):
+    """Frozen target: features of the tapped layers and the final normed hidden state."""
+    out = target(
+        batch["input_ids"],
+        batch["positions"],
+        segment_ids=batch["segment_ids"],
+        layer_ids=cfg.target_layer_ids,
+        return_logits=False,
+    )
+    return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
+
+
+def labels_and_mask(anchors, anchor_valid, loss_mask, block_size: int):
+    """For slots 1..B-1: the position whose target logits label the slot (anchor+k-1) and whether
+    the slot is trained (valid anchor and the predicted token anchor+k inside the loss mask)."""
+    T = loss_mask.shape[1]
+    pos = block_positions(anchors, block_size, T)  # [R,A,B] anchor+k
+    label_pos = pos[..., :-1]  # anchor+k-1 for k = 1..B-1
+    predicted = pos[..., 1:]
+    in_mask = jnp.take_along_axis(loss_mask.astype(bool), predicted.reshape(predicted.shape[0], -1), axis=1)
+    item_mask = anchor_valid[..., None] & in_mask.reshape(predicted.shape)
+    return label_pos, item_mask
+
+
+def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
+    """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only."""
+    k_anchor, k_noise = jax.random.split(key)
+    features, hidden = target_pass(target, batch, cfg)
+    if cfg.feature_noise_std > 0:
+        features = features + cfg.feature_noise_std * jax.random.normal(
+            k_noise, features.shape, features.dtype
+        )
+    anchors, valid = sample_anchors(
+        k_anchor,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        block_size=cfg.block_size,
+        max_anchors=cfg.max_anchors,
+    )
+    embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
+    draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
+    R, A, B, D = draft.shape
+    label_pos, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], B)
+    target_h = jnp.take_along_axis(hidden, label_pos.reshape(R, -1)[..., None], axis=1)  # [R, A*(B-1), D]
+    draft_h = draft[:, :, 1:].reshape(R * A * (B - 1), D)
+    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    loss_i, correct, _ = chunked_token_loss(
+        draft_h,
+        target_h.reshape(-1, D),
+        target.lm_head_weight(),
+        kind=cfg.loss,
+        chunk=cfg.loss_chunk,
+        compute_dtype=dtype,
+    )
+    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
+    weights = (item_mask * w).reshape(-1)
+    denom = jnp.maximum(jnp.sum(weights), 1e-6)
+    loss = jnp.sum(loss_i * weights) / denom
+    per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, valid)
+    metrics = {
+        "loss": loss,
+        "streak": streak,
+        "slot_acc": per_slot,
+        "anchors": jnp.sum(valid),
+        "tokens": jnp.sum(batch["segment_ids"] != 0),
+    }
+    return loss, metrics
+
+
+def make_train_step(cfg: StepConfig):
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(drafter, optimizer, target, batch, key):
+        def loss_fn(model):
+            return drafter_loss(model, target, batch, key, cfg)
+
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        optimizer.update(drafter, grads)
+        return metrics
+
+    return train_step
+
+
+def make_eval_step(cfg: StepConfig):
+    @nnx.jit
+    def eval_step(drafter, target, batch, key):
+        return drafter_loss(drafter, target, batch, key, cfg)[1]
+
+    return eval_step
