@@ -30,12 +30,13 @@ class RegenReport:
     skipped_long: int = 0
     skipped_no_user: int = 0
     stopped_at_eos: int = 0
+    empty: int = 0
 
     def summary(self) -> str:
         return (
             f"regenerated {self.written} responses from {self.prompts_seen} prompts "
             f"({self.stopped_at_eos} ended with EOS; skipped: {self.skipped_long} prompts over the length "
-            f"limit, {self.skipped_no_user} without a user turn)"
+            f"limit, {self.skipped_no_user} without a user turn, {self.empty} empty answers)"
         )
 
 
@@ -101,8 +102,9 @@ def regenerate_records(
         if toks and toks[-1] in eos:
             report.stopped_at_eos += 1
             toks = toks[:-1]
-        text = tokenizer.decode(toks, skip_special_tokens=True).strip()
-        if not text:
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        if not text.strip():
+            report.empty += 1
             continue
         result.append({"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": text}]})
     report.written = len(result)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
 
     from transformers import AutoTokenizer
 

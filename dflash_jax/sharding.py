@@ -46,6 +46,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    num_devices: int | None = None  # use only the first N devices (None: all)
 
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
         sizes = [self.data, self.fsdp, self.tensor]
@@ -70,6 +71,12 @@ def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | 
     """A (data, fsdp, tensor) mesh with Auto axes (sharding constraints are honoured by XLA)."""
     config = config or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
+    if config.num_devices is not None:
+        if not 1 <= config.num_devices <= len(devices):
+            raise ValueError(
+                f"mesh.num_devices={config.num_devices} but {len(devices)} devices are available"
+            )
+        devices = devices[: config.num_devices]
     shape = config.resolve(len(devices))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 

@@ -68,7 +68,7 @@ def make_tiny_target_dir(cfg: RunConfig, vocab_size: int, directory: Path) -> Pa
     model = TargetModel(tc, rngs=nnx.Rngs(t.tiny_seed))
     # Unit-scale embeddings: a trained LM's next-token distribution is peaked, and the tied
     # lm_head then gives the drafter logits it can actually separate (0.02 init is ~uniform).
-    model.embed_tokens[...] = model.embed_tokens[...] * 50.0
+    model.embed_tokens[...] = model.embed_tokens[...] * 10.0
     directory.mkdir(parents=True, exist_ok=True)
     save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
     hf = {
@@ -261,7 +261,19 @@ class _StopFlag:
         self.reason = signal.Signals(signum).name
 
 
-def run(cfg: RunConfig, *, resume: bool = False, init_from: str | None = None, quiet: bool = False) -> dict:
+def run(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    init_from: str | None = None,
+    quiet: bool = False,
+    stop_at_step: int | None = None,
+) -> dict:
+    """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
+
+    ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
+    a later ``resume=True`` run continues the same schedule.
+    """
     from transformers import AutoTokenizer
 
     import dflash_jax
@@ -327,7 +339,7 @@ def run(cfg: RunConfig, *, resume: bool = False, init_from: str | None = None, q
     if resume:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
-        meta = ckpt.restore(drafter, optimizer)
+        meta = ckpt.restore(drafter, optimizer, mesh=mesh)
         start_step = int(meta["step"])
         if meta.get("data_state") is not None:
             data_iter.set_state(meta["data_state"])
@@ -399,6 +411,8 @@ def run(cfg: RunConfig, *, resume: bool = False, init_from: str | None = None, q
                 if limit is not None and time.perf_counter() - t_train > 60 * limit:
                     log.info("time limit of %.1f min reached at step %d", limit, step)
                     break
+                if stop_at_step is not None and step >= stop_at_step:
+                    break
                 if stop.stop:
                     log.warning("%s received: saving a checkpoint at step %d and exiting", stop.reason, step)
                     break
@@ -409,6 +423,7 @@ def run(cfg: RunConfig, *, resume: bool = False, init_from: str | None = None, q
         if last_saved != step:
             ckpt.save(step, drafter, optimizer, data_iter.get_state(), resolved, force=True)
         ckpt.close()
+        data_iter.close()
         result.update(step=step, interrupted=stop.stop, train_seconds=time.perf_counter() - t_train)
         if last:
             result.update(loss=float(last["loss"]), streak=float(last["streak"]))
@@ -435,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from hf_fixtures import make_hf_model, prompt_ids
 
 import dflash_jax
@@ -91,8 +90,9 @@ def test_anchors_inside_loss_mask_with_room_for_the_block():
     for r, p in zip(*np.nonzero(cand), strict=True):
         assert lm[r, p] == 1 and p + B - 1 < seg.shape[1] and seg[r, p + B - 1] == seg[r, p]
     assert not cand[0, 93:100].any()  # the last B-1 positions of document 1 have no room
-    anchors, valid = sample_anchors(jax.random.key(3), batch["loss_mask"], batch["segment_ids"], block_size=B,
-                                    max_anchors=400)
+    anchors, valid = sample_anchors(
+        jax.random.key(3), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=400
+    )
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     for r in range(2):
         real = anchors[r][valid[r]]
@@ -107,8 +107,9 @@ def test_slot_zero_carries_no_loss_and_slot_one_does(tiny):
     batch = packed_batch()
     cfg = StepConfig(block_size=B, max_anchors=8, target_layer_ids=(0, 2))
     _, hidden = target_pass(target, batch, cfg)
-    anchors, valid = sample_anchors(jax.random.key(1), batch["loss_mask"], batch["segment_ids"], block_size=B,
-                                    max_anchors=8)
+    anchors, valid = sample_anchors(
+        jax.random.key(1), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=8
+    )
     draft = jax.random.normal(jax.random.key(2), (2, 8, B, hidden.shape[-1]))
     W = target.lm_head_weight()
 
@@ -129,7 +130,9 @@ def test_slot_weights_formula_and_gamma_defaults():
         g = default_gamma(bs)
         assert w[0] == 0
         np.testing.assert_allclose(w[1:], np.exp(-(np.arange(1, bs) - 1) / g), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(slot_weights(4, gamma=2.0))[1:], np.exp(-np.arange(3) / 2.0), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(slot_weights(4, gamma=2.0))[1:], np.exp(-np.arange(3) / 2.0), rtol=1e-6
+    )
     with pytest.raises(ValueError, match="gamma"):
         slot_weights(8, gamma=0.0)
 
@@ -146,8 +149,13 @@ def test_feature_noise_never_touches_labels(tiny):
     def labels_and_loss(cfg):
         # Same anchors (same key); capture labels via block_loss on the model's output.
         _, hidden = target_pass(target, batch, cfg)
-        anchors, valid = sample_anchors(jax.random.split(jax.random.key(4))[0], batch["loss_mask"],
-                                        batch["segment_ids"], block_size=B, max_anchors=8)
+        anchors, valid = sample_anchors(
+            jax.random.split(jax.random.key(4))[0],
+            batch["loss_mask"],
+            batch["segment_ids"],
+            block_size=B,
+            max_anchors=8,
+        )
         loss, m = drafter_loss(drafter, target, batch, jax.random.key(4), cfg)
         th = label_hidden(hidden, anchors, B)
         D = th.shape[-1]
@@ -180,8 +188,11 @@ def test_chunked_loss_matches_dense_and_fits_memory():
 
     # Memory: A*B slots of a Qwen3-sized vocabulary; compiled temp must stay far below [N, V] fp32.
     N, D, V = 4096, 256, 151936
-    args = (jax.ShapeDtypeStruct((N, D), jnp.float32), jax.ShapeDtypeStruct((N, D), jnp.float32),
-            jax.ShapeDtypeStruct((D, V), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((N, D), jnp.float32),
+        jax.ShapeDtypeStruct((N, D), jnp.float32),
+        jax.ShapeDtypeStruct((D, V), jnp.float32),
+    )
 
     def f(d, t, w):
         return jnp.mean(chunked_token_loss(d, t, w, chunk=256)[0])

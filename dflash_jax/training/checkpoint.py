@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,17 @@ class Checkpointer:
     def wait(self):
         self.manager.wait_until_finished()
 
-    def restore(self, drafter, optimizer=None, step: int | None = None) -> dict:
-        """Restore into ``drafter`` (and ``optimizer``) in place; returns the meta dict."""
+    def restore(self, drafter, optimizer=None, step: int | None = None, mesh=None) -> dict:
+        """Restore into ``drafter`` (and ``optimizer``) in place; returns the meta dict.
+
+        Arrays come back with the shardings the live ones have; with ``mesh``, ones that are not
+        on it (optax's scalar counters) come back replicated on it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        target = {"params": _abstract(nnx.state(drafter, nnx.Param))}
+        target = {"params": _abstract(nnx.state(drafter, nnx.Param), mesh)}
         if optimizer is not None:
-            target["opt"] = _abstract(nnx.state(optimizer, nnx.optimizer.OptState))
+            target["opt"] = _abstract(nnx.state(optimizer, nnx.optimizer.OptState), mesh)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -86,11 +90,14 @@ def read_config(directory: str | Path, step: int | None = None) -> dict:
     return json.loads(cfg.read_text())
 
 
-def _abstract(state):
-    pure = nnx.to_pure_dict(state)
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), pure
-    )
+def _abstract(state, mesh=None):
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if mesh is not None and not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+            sharding = NamedSharding(mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, nnx.to_pure_dict(state))
 
 
 def _assign(module, var_type, pure):

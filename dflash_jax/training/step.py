@@ -107,9 +107,15 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
     k_anchor, k_noise = jax.random.split(key)
     features, hidden = target_pass(target, batch, cfg)
     if cfg.feature_noise_std > 0:
-        features = features + cfg.feature_noise_std * jax.random.normal(k_noise, features.shape, features.dtype)
+        features = features + cfg.feature_noise_std * jax.random.normal(
+            k_noise, features.shape, features.dtype
+        )
     anchors, valid = sample_anchors(
-        k_anchor, batch["loss_mask"], batch["segment_ids"], block_size=cfg.block_size, max_anchors=cfg.max_anchors
+        k_anchor,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        block_size=cfg.block_size,
+        max_anchors=cfg.max_anchors,
     )
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
     draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
