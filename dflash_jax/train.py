@@ -334,7 +334,9 @@ def run(
     resolved["drafter_config"] = dcfg.to_dict()
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
-    data_iter = make_train_iterator(data_cfg, tokenizer)
+    data_iter = make_train_iterator(
+        data_cfg, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+    )
     start_step = 0
     if resume:
         if ckpt.latest_step() is None:
@@ -350,8 +352,11 @@ def run(
     logger = MetricLogger(run_dir)
     eval_key = jax.random.key(cfg.train.seed + 1)
 
-    def put(batch):
-        return {k: jax.device_put(np.asarray(v, np.int32), batch_sharding) for k, v in batch.items()}
+    def put(batch):  # this process's rows -> global arrays laid out over (data, fsdp)
+        return {
+            k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v, np.int32))
+            for k, v in batch.items()
+        }
 
     def heldout_metrics():
         if not held_batches:

@@ -34,7 +34,10 @@ CHAT = [
             "waterfront, stopping for custard tarts and a coffee in a quiet garden."
         ),
     },
-    {"role": "user", "content": "That sounds lovely. What about day three, the train trip, and where to eat on the last evening?"},
+    {
+        "role": "user",
+        "content": "That sounds lovely. What about day three, the train trip, and where to eat on the last evening?",
+    },
 ]
 
 

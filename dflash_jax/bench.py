@@ -1,0 +1,188 @@
+"""Benchmarks (timings live here and in BENCHMARKS.md, never in tests).
+
+python -m dflash_jax.bench step [--config tiny] [--steps 10] [key=value ...]
+    training-step throughput: tokens/s/device, drafter blocks/s, step time and MFU, with
+    the compile step excluded
+python -m dflash_jax.bench attention [--rows 2 --length 2048 --anchors 64 --block 16]
+    anchored block attention, forward+backward, per implementation
+python -m dflash_jax.bench generate [--target smollm2] [--batch 32 --prompt 128 --new 128]
+    KV-cache generation tokens/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _timeit(fn, repeats):
+    out = fn()
+    jax.block_until_ready(out)  # compile + warm-up, excluded
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / repeats
+
+
+def step_flops(target_cfg, drafter_cfg, tokens: int, slots: int) -> float:
+    """Model FLOPs of one step: target forward over all tokens (2N per token, plus the label
+    lm_head over the slots), drafter forward+backward over the slots (6N) and its lm_head."""
+    D, V = target_cfg.hidden_size, target_cfg.vocab_size
+    t = target_cfg
+    per_layer = 2 * D * (t.num_heads + 2 * t.num_kv_heads) * t.head_dim + 3 * D * t.intermediate_size
+    target_params = t.num_layers * per_layer
+    d = drafter_cfg
+    d_layer = 2 * D * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + 3 * D * d.intermediate_size
+    drafter_params = d.num_layers * d_layer
+    return (
+        2 * target_params * tokens
+        + 2 * D * V * slots  # target logits for labels
+        + 6 * (drafter_params + D * V) * slots
+        + 2 * d.feature_size * D * tokens * 3  # fc over every context token, fwd+bwd
+    )
+
+
+def bench_step(args) -> dict:
+    from dflash_jax.train import run
+    from dflash_jax.training.run_config import load_run_config
+
+    overrides = [
+        f"train.steps={args.steps + 1}",
+        "train.log_every=1",
+        "train.checkpoint_every=100000",
+        f"output_dir={args.out}",
+        *args.overrides,
+    ]
+    cfg = load_run_config(args.config, overrides)
+    res = run(cfg, quiet=True)
+    rows = [json.loads(x) for x in open(f"{res['run_dir']}/metrics.jsonl")]
+    train = [r for r in rows if r["split"] == "train"][1:]  # step 1 includes the compile
+    step_time = float(np.median([r["step_time_s"] for r in train]))
+    tokens = float(np.median([r["tokens"] for r in train]))
+    anchors = float(np.median([r["anchors"] for r in train]))
+    dcfg = res["drafter"].config
+    slots = anchors * (dcfg.block_size - 1)
+    flops = step_flops(res["target"].config, dcfg, tokens, slots)
+    n_dev = jax.device_count()
+    out = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "devices": n_dev,
+        "backend": jax.default_backend(),
+        "step_time_s": step_time,
+        "tokens_per_s_per_device": tokens / step_time / n_dev,
+        "blocks_per_s": anchors / step_time,
+        "model_tflops_per_s_per_device": flops / step_time / n_dev / 1e12,
+    }
+    if args.peak_tflops:
+        out["mfu"] = out["model_tflops_per_s_per_device"] / args.peak_tflops
+    return out
+
+
+def bench_attention(args) -> dict:
+    from dflash_jax.drafter.attention import anchored_attention
+    from dflash_jax.drafter.masks import AnchoredMask
+
+    R, T, A, S, N, K, H = (
+        args.rows,
+        args.length,
+        args.anchors,
+        args.block,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+    )
+    key = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(key[0], (R, A, S, N, H))
+    k_ctx, v_ctx = jax.random.normal(key[1], (2, R, T, K, H))
+    k_blk, v_blk = jax.random.normal(key[2], (2, R, A, S, K, H))
+    seg = jnp.ones((R, T), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+    anchors = jnp.sort(jax.random.randint(key[3], (R, A), 1, T - S), axis=1).astype(jnp.int32)
+    mask = AnchoredMask.for_packed_rows(seg, pos, anchors, jnp.ones((R, A), bool), S)
+    out = {"shape": dict(rows=R, length=T, anchors=A, block=S, heads=N, kv_heads=K, head_dim=H)}
+    for impl in args.impls:
+
+        def loss(q, kc, vc, kb, vb, impl=impl):
+            o = anchored_attention(
+                q, kc, vc, kb, vb, mask, causal=False, window=None, impl=impl, anchor_chunk=16
+            )
+            return jnp.sum(o.astype(jnp.float32) ** 2)
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        try:
+            out[impl] = {
+                "fwd_bwd_ms": 1e3 * _timeit(lambda f=f: f(q, k_ctx, v_ctx, k_blk, v_blk), args.repeats)
+            }
+            mem = f.lower(q, k_ctx, v_ctx, k_blk, v_blk).compile().memory_analysis()
+            out[impl]["temp_mib"] = mem.temp_size_in_bytes / 2**20
+        except Exception as e:  # noqa: BLE001 - report an unavailable impl (e.g. pallas on CPU)
+            out[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
+def bench_generate(args) -> dict:
+    import dflash_jax
+    from dflash_jax import assets
+    from dflash_jax.generate import generate
+
+    path = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    target = dflash_jax.load_target(path, dtype=args.dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 1000, size=args.prompt).tolist() for _ in range(args.batch)]
+    generate(target, prompts, max_new_tokens=args.new, batch_size=args.batch)  # compile
+    t0 = time.perf_counter()
+    generate(target, prompts, max_new_tokens=args.new, batch_size=args.batch)
+    dt = time.perf_counter() - t0
+    return {
+        "target": str(path),
+        "batch": args.batch,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+        "seconds": dt,
+        "generated_tokens_per_s": args.batch * args.new / dt,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("step")
+    s.add_argument("--config", default="tiny")
+    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--out", default="/tmp/dflash_bench_step")
+    s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, to report MFU")
+    s.add_argument("overrides", nargs="*")
+    a = sub.add_parser("attention")
+    for name, default in (
+        ("rows", 2),
+        ("length", 2048),
+        ("anchors", 64),
+        ("block", 16),
+        ("heads", 8),
+        ("kv_heads", 2),
+        ("head_dim", 64),
+        ("repeats", 3),
+    ):
+        a.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    a.add_argument("--impls", nargs="+", default=["reference", "xla"])
+    g = sub.add_parser("generate")
+    g.add_argument("--target", default="smollm2")
+    g.add_argument("--dtype", default="float32")
+    for name, default in (("batch", 32), ("prompt", 128), ("new", 128)):
+        g.add_argument(f"--{name}", type=int, default=default)
+    args = p.parse_args(argv)
+    result = {"step": bench_step, "attention": bench_attention, "generate": bench_generate}[args.what](args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
