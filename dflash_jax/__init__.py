@@ -17,6 +17,8 @@ _EXPORTS = {
     "DFlashDrafter": "dflash_jax.drafter.model",
     "init_drafter": "dflash_jax.drafter.api",
     "load_drafter": "dflash_jax.drafter.api",
+    "speculative_generate": "dflash_jax.speculative",
+    "evaluate": "dflash_jax.eval",
     "make_mesh": "dflash_jax.sharding",
     "MeshConfig": "dflash_jax.sharding",
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -47,22 +46,19 @@ def set_params(drafter: DFlashDrafter, params: dict) -> DFlashDrafter:
     return drafter
 
 
-def load_drafter(path: str | Path, target, **overrides) -> DFlashDrafter:
-    """Load a drafter from a z-lab-format HF directory (config.json + safetensors) or, once
-    ``convert.hf_to_drafter`` provides ``read_drafter``, from any source it reads (our orbax
-    checkpoints, speculators-format dirs).
+def load_drafter(path: str | Path, target, *, step: int | None = None, **overrides) -> DFlashDrafter:
+    """Load a drafter from one of our orbax checkpoints (a run dir, its ``checkpoints/`` dir or a
+    ``<step>`` dir; ``step`` picks one, default the latest) or an HF directory (z-lab or
+    speculators layout: config.json + safetensors), via ``convert.hf_to_drafter.read_drafter``.
 
     ``overrides`` set our own config fields, e.g. ``attention_impl="reference"`` or
-    ``compute_dtype="bfloat16"``. The drafter is checked against ``target`` (model or config).
+    ``compute_dtype="bfloat16"``. The drafter is checked against ``target`` (model or config)
+    on its config, before any weight is read.
     """
     # convert depends on the drafter config, not the other way round: import lazily.
-    if importlib.util.find_spec("convert.hf_to_drafter") is not None:
-        from convert.hf_to_drafter import read_drafter
-    else:
-        from convert.zlab_drafter import read_zlab_drafter as read_drafter
+    from convert.hf_to_drafter import read_drafter
 
-    config, params = read_drafter(path, **overrides)
-    if target is not None:
-        config.check_target(_target_config(target))
+    check = None if target is None else (lambda c: c.check_target(_target_config(target)))
+    config, params = read_drafter(path, step=step, check=check, **overrides)
     drafter = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
     return set_params(drafter, params)

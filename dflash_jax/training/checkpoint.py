@@ -47,29 +47,28 @@ class Checkpointer:
     def wait(self):
         self.manager.wait_until_finished()
 
-    def restore(self, drafter, optimizer=None, step: int | None = None, mesh=None) -> dict:
-        """Restore into ``drafter`` (and ``optimizer``) in place; returns the meta dict.
+    def restore(self, drafter, optimizer, step: int | None = None, mesh=None) -> dict:
+        """Restore a run (params and optimizer state) in place; returns the meta dict. To read
+        only a drafter's params use ``dflash_jax.load_drafter`` (convert.drafter_to_hf).
 
         Arrays come back with the shardings the live ones have; with ``mesh``, ones that are not
         on it (optax's scalar counters) come back replicated on it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        target = {"params": _abstract(nnx.state(drafter, nnx.Param), mesh)}
-        if optimizer is not None:
-            target["opt"] = _abstract(nnx.state(optimizer, nnx.optimizer.OptState), mesh)
+        target = {
+            "params": _abstract(nnx.state(drafter, nnx.Param), mesh),
+            "opt": _abstract(nnx.state(optimizer, nnx.optimizer.OptState), mesh),
+        }
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target, strict=False)
-                if optimizer is None
-                else ocp.args.StandardRestore(target),
+                state=ocp.args.StandardRestore(target),
                 meta=ocp.args.JsonRestore(),
             ),
         )
         _assign(drafter, nnx.Param, restored.state["params"])
-        if optimizer is not None:
-            _assign(optimizer, nnx.optimizer.OptState, restored.state["opt"])
+        _assign(optimizer, nnx.optimizer.OptState, restored.state["opt"])
         return dict(restored.meta)
 
     def close(self):

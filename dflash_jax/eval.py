@@ -1,0 +1,485 @@
+"""Evaluate a DFlash drafter by speculative decoding against its target (``python -m dflash_jax.eval``).
+
+  python -m dflash_jax.eval --target HF_DIR --drafter PATH --prompts FILE \
+      [--max-new-tokens N] [--block-size S] [--batch-size B] [--json OUT]
+
+``--drafter``: one of our checkpoints (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF
+drafter directory (z-lab or speculators layout). ``--prompts``: JSONL, one prompt per line, any of
+
+  {"messages": [{"role": "user", "content": "..."}, ...]}   chat (template applied; turns up to
+                                                            the first assistant reply are kept)
+  {"prompt": "..."}                                         a user message (template applied)
+  {"input_ids": [1, 2, 3]}                                  pre-tokenized, used as is
+
+with an optional "id". Text prompts need a tokenizer (``--tokenizer``, default the target dir).
+
+Decoding is batched speculative decoding in JAX (``dflash_jax.speculative``), greedy by default:
+lossless, so the output equals the target's own greedy decoding, which the evaluator checks against
+the plain KV-cache decoder (``dflash_jax.generate``) unless ``--no-baseline``.
+
+Reported (z-lab's benchmark conventions where it has one):
+
+* ``tau``: mean acceptance length per verify step, counting the bonus token, averaged per prompt
+  then over prompts (z-lab's "Average Acceptance length"); ``tau_pooled``: all produced tokens over
+  all steps;
+* ``histogram``: fraction of steps that produced b tokens, b = 0..S;
+* ``per_position_acceptance[k-1]``: fraction of steps whose draft k was accepted, among steps that
+  checked a draft k; ``conditional_acceptance``: the same among steps that accepted draft k-1;
+* ``target_forward_speedup``: target forward passes of plain decoding (one per output token) over
+  those of speculative decoding (prefill + one per step);
+* ``tokens_per_s`` (speculative and baseline) and ``wall_speedup``, excluding compilation (a
+  warm-up batch per prompt-length bucket runs first, unless ``--no-warmup``).
+
+``--temperature > 0`` samples with the standard speculative-sampling acceptance rule (lossless in
+distribution, not token-for-token; no baseline comparison is made then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------
+# Prompts
+# ------------------------------------------------------------------------------------------
+
+
+def _chat_messages(obj: dict, where: str) -> list[dict]:
+    from dflash_jax.data.sources import ROLE_ALIASES, prompt_messages
+
+    turns = obj.get("messages", obj.get("conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise PromptError(f"{where}: 'messages' must be a non-empty list")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise PromptError(f"{where}: messages[{i}] is not an object")
+        role = ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))).strip().lower())
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise PromptError(f"{where}: messages[{i}] needs a known 'role' and a string 'content'")
+        out.append({"role": role, "content": content})
+    out = prompt_messages(out)
+    if not out:
+        raise PromptError(f"{where}: no turn before the first assistant reply")
+    return out
+
+
+def encode_chat(tokenizer, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def load_prompts(
+    path: str | Path, tokenizer=None, *, enable_thinking: bool | None = None, limit: int | None = None
+) -> list[dict]:
+    """Read a prompts JSONL (see module doc) -> ``[{"id", "input_ids"}]``.
+
+    ``tokenizer`` may be a tokenizer or a zero-argument callable returning one (loaded only when a
+    text prompt needs it). Errors name the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    tok_cache: list = []
+
+    def get_tokenizer(where):
+        if not tok_cache:
+            tok = (
+                tokenizer()
+                if callable(tokenizer) and not hasattr(tokenizer, "apply_chat_template")
+                else tokenizer
+            )
+            if tok is None:
+                raise PromptError(
+                    f"{where}: a text prompt needs a tokenizer (pass --tokenizer, or use input_ids)"
+                )
+            tok_cache.append(tok)
+        return tok_cache[0]
+
+    prompts = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{where}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict):
+                raise PromptError(f"{where}: expected a JSON object")
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and t >= 0 for t in ids)
+                ):
+                    raise PromptError(f"{where}: 'input_ids' must be a non-empty list of non-negative ints")
+            elif "prompt" in obj:
+                if not isinstance(obj["prompt"], str):
+                    raise PromptError(f"{where}: 'prompt' must be a string")
+                msgs = [{"role": "user", "content": obj["prompt"]}]
+                ids = encode_chat(get_tokenizer(where), msgs, enable_thinking)
+            elif "messages" in obj or "conversations" in obj:
+                ids = encode_chat(get_tokenizer(where), _chat_messages(obj, where), enable_thinking)
+            else:
+                raise PromptError(f"{where}: needs one of 'input_ids', 'prompt', 'messages'")
+            prompts.append({"id": str(obj.get("id", len(prompts))), "input_ids": [int(t) for t in ids]})
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise PromptError(f"{path}: no prompts")
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------
+# Metrics
+# ------------------------------------------------------------------------------------------
+
+
+def acceptance_stats(outputs, block_size: int) -> dict:
+    """tau (z-lab's and pooled), histogram and per-position acceptance of SpecOutputs."""
+    per_prompt = [o.acceptance_lengths for o in outputs if o.acceptance_lengths]
+    all_steps = [a for lst in per_prompt for a in lst]
+    accepted = [a for o in outputs for a in o.accepted]
+    drafted = [d for o in outputs for d in o.drafted]
+    n = len(all_steps)
+    hist = [all_steps.count(b) / n if n else 0.0 for b in range(block_size + 1)]
+    per_pos, cond = [], []
+    for k in range(1, block_size):
+        tried = [a for a, d in zip(accepted, drafted, strict=True) if d >= k]
+        reached = [a for a in tried if a >= k - 1]
+        per_pos.append(sum(a >= k for a in tried) / len(tried) if tried else None)
+        cond.append(sum(a >= k for a in reached) / len(reached) if reached else None)
+    return {
+        "tau": sum(sum(x) / len(x) for x in per_prompt) / len(per_prompt) if per_prompt else None,
+        "tau_pooled": sum(all_steps) / n if n else None,
+        "num_steps": n,
+        "histogram": hist,
+        "per_position_acceptance": per_pos,
+        "conditional_acceptance": cond,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------
+
+
+def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def evaluate(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 256,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int | None = None,
+    sampling=None,
+    batch_size: int = 8,
+    baseline: bool = True,
+    warmup: bool = True,
+    seed: int = 0,
+    ids: Sequence[str] | None = None,
+    progress: bool = False,
+    exact_tail: bool = True,
+    attention_impl: str | None = "xla",
+) -> dict:
+    """Speculative decoding of token-id ``prompts``; returns ``{"summary": ..., "prompts": [...]}``.
+
+    ``baseline``: also decode with the plain KV-cache decoder, for tokens/s and (greedy) the
+    lossless check. ``warmup``: run one batch per prompt-length bucket first so timings exclude
+    compilation. ``attention_impl``: the drafter's attention for decoding (default ``xla``, so a
+    drafter straight from Pallas training runs anywhere; None keeps its config's).
+    """
+    import jax
+    from tqdm import tqdm
+
+    from dflash_jax.generate import SamplingConfig, generate
+    from dflash_jax.speculative import SpeculativeDecoder, _bucket
+
+    sampling = sampling or SamplingConfig()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts = [list(p) for p in prompts]
+    dec = SpeculativeDecoder(
+        target,
+        drafter,
+        block_size=block_size,
+        sampling=sampling,
+        exact_tail=exact_tail,
+        attention_impl=attention_impl,
+    )
+    S = dec.block_size
+    batches = _batches(prompts, batch_size)
+    stops = tuple(int(s) for s in stop_token_ids)
+    key = jax.random.key(seed)
+
+    def run_spec(idx, b):
+        return dec.run_batch(
+            [prompts[i] for i in idx],
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stops,
+            batch_size=batch_size,
+            key=jax.random.fold_in(key, b),
+        )
+
+    def run_base(idx, b):
+        return generate(
+            target,
+            [prompts[i] for i in idx],
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=stops,
+            sampling=sampling,
+            batch_size=batch_size,
+            seed=seed + b,
+        )
+
+    if warmup:
+        seen = set()
+        for b, idx in enumerate(batches):
+            bucket = _bucket(max(len(prompts[i]) for i in idx))
+            if bucket not in seen:
+                seen.add(bucket)
+                run_spec(idx, b)
+                if baseline:
+                    run_base(idx, b)
+
+    outputs = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc="speculative", disable=not progress)
+    t0 = time.perf_counter()
+    for b, idx in enumerate(batches):
+        for i, o in zip(idx, run_spec(idx, b), strict=True):
+            outputs[i] = o
+        bar.update(len(idx))
+    spec_s = time.perf_counter() - t0
+    bar.close()
+
+    base_out, base_s = None, None
+    if baseline:
+        base_out = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="baseline", disable=not progress)
+        t0 = time.perf_counter()
+        for b, idx in enumerate(batches):
+            for i, o in zip(idx, run_base(idx, b), strict=True):
+                base_out[i] = o
+            bar.update(len(idx))
+        base_s = time.perf_counter() - t0
+        bar.close()
+
+    n_out = sum(len(o.output_ids) for o in outputs)
+    spec_forwards = sum(o.target_forwards for o in outputs)
+    summary = {
+        "num_prompts": len(prompts),
+        "block_size": S,
+        "max_new_tokens": max_new_tokens,
+        "temperature": sampling.temperature,
+        "batch_size": batch_size,
+        **acceptance_stats(outputs, S),
+        "output_tokens": n_out,
+        "target_forwards": spec_forwards,
+        "baseline_target_forwards": n_out,
+        "target_forward_speedup": n_out / spec_forwards if spec_forwards else None,
+        "seconds": spec_s,
+        "tokens_per_s": n_out / spec_s if spec_s > 0 else None,
+    }
+    rows = []
+    for i, o in enumerate(outputs):
+        row = {
+            "id": ids[i] if ids is not None else str(i),
+            "prompt_len": o.prompt_len,
+            "output_ids": o.output_ids,
+            "acceptance_lengths": o.acceptance_lengths,
+            "accepted": o.accepted,
+            "num_steps": o.num_steps,
+            "tau": sum(o.acceptance_lengths) / o.num_steps if o.num_steps else None,
+            "stopped": o.stopped,
+        }
+        if base_out is not None:
+            row["baseline_output_ids"] = base_out[i]
+            if sampling.temperature == 0:
+                row["matches_baseline"] = base_out[i] == o.output_ids
+        rows.append(row)
+    if base_out is not None:
+        n_base = sum(len(x) for x in base_out)
+        summary.update(
+            baseline_seconds=base_s,
+            baseline_tokens_per_s=n_base / base_s if base_s > 0 else None,
+            wall_speedup=(n_out / spec_s) / (n_base / base_s)
+            if spec_s > 0 and base_s > 0 and n_base
+            else None,
+        )
+        if sampling.temperature == 0:
+            summary["matches_baseline"] = sum(r["matches_baseline"] for r in rows)
+            summary["lossless"] = summary["matches_baseline"] == len(rows)
+    return {"summary": summary, "prompts": rows}
+
+
+def format_summary(s: dict) -> str:
+    def f(x, spec=".3f"):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [
+        f"prompts: {s['num_prompts']}  block size: {s['block_size']}  max new tokens: {s['max_new_tokens']}  "
+        f"temperature: {s['temperature']}",
+        f"tau (z-lab, per-prompt mean): {f(s['tau'])}   pooled: {f(s['tau_pooled'])}   steps: {s['num_steps']}",
+        "acceptance length histogram: "
+        + " ".join(f"{b}:{h * 100:.1f}%" for b, h in enumerate(s["histogram"])),
+        "per-position acceptance: " + " ".join(f(x, ".2f") for x in s["per_position_acceptance"]),
+        f"target forwards: {s['target_forwards']} vs {s['baseline_target_forwards']} plain "
+        f"(speedup {f(s['target_forward_speedup'], '.2f')}x)",
+        f"speculative: {s['output_tokens']} tokens in {s['seconds']:.2f}s = {f(s['tokens_per_s'], '.1f')} tok/s",
+    ]
+    if "baseline_seconds" in s:
+        lines.append(
+            f"baseline: {f(s['baseline_tokens_per_s'], '.1f')} tok/s; wall speedup {f(s['wall_speedup'], '.2f')}x"
+        )
+    if "lossless" in s:
+        lines.append(
+            f"lossless check: {s['matches_baseline']}/{s['num_prompts']} outputs equal plain greedy decoding"
+            + ("" if s["lossless"] else "  <-- MISMATCH")
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+
+
+def _stop_ids(args, target_config, tokenizer) -> tuple[int, ...]:
+    if args.ignore_eos:
+        return ()
+    if args.stop_token_ids is not None:
+        return tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
+    ids = set(target_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target HF model directory")
+    p.add_argument("--drafter", required=True, help="drafter: checkpoint dir or HF dir (z-lab/speculators)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of --drafter (default: latest)")
+    p.add_argument("--prompts", required=True, help="JSONL of messages / prompt / input_ids")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir for text prompts (default: --target)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: speculative sampling (lossless in distribution)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token-ids", default=None, help="comma-separated; default: the target's EOS ids")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument(
+        "--enable-thinking", choices=("on", "off"), default=None, help="chat template switch (Qwen3)"
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafter compute dtype"
+    )
+    p.add_argument("--attention-impl", default="xla", choices=("xla", "reference", "pallas"))
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no tokens/s comparison)")
+    p.add_argument("--no-warmup", action="store_true", help="timings then include compilation")
+    p.add_argument(
+        "--fast-tail",
+        action="store_true",
+        help="near the length limit draft full blocks (fewer compiles; last steps' acceptance may differ from z-lab)",
+    )
+    p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import dflash_jax
+    from dflash_jax.drafter.api import load_drafter
+    from dflash_jax.generate import SamplingConfig
+
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        target = dflash_jax.load_target(args.target, dtype=args.dtype)
+        # The drafter is checked against the target (sizes, layer ids) before anything runs.
+        drafter = load_drafter(
+            args.drafter, target, step=args.step, attention_impl=args.attention_impl, compute_dtype=args.dtype
+        )
+        tok_holder: list = []
+
+        def tokenizer():
+            from transformers import AutoTokenizer
+
+            src = args.tokenizer or args.target
+            try:
+                tok_holder.append(AutoTokenizer.from_pretrained(src))
+            except Exception as e:  # noqa: BLE001 - transformers raises many types
+                raise PromptError(f"cannot load a tokenizer from {src}: {e}") from e
+            return tok_holder[-1]
+
+        thinking = None if args.enable_thinking is None else args.enable_thinking == "on"
+        records = load_prompts(args.prompts, tokenizer, enable_thinking=thinking, limit=args.limit)
+        tok = tok_holder[-1] if tok_holder else None
+        stops = _stop_ids(args, target.config, tok)
+        if args.block_size is not None and args.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    log.info("evaluating %d prompts, stop tokens %s", len(records), list(stops))
+    report = evaluate(
+        target,
+        drafter,
+        [r["input_ids"] for r in records],
+        ids=[r["id"] for r in records],
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=stops,
+        block_size=args.block_size,
+        sampling=sampling,
+        batch_size=args.batch_size,
+        baseline=not args.no_baseline,
+        warmup=not args.no_warmup,
+        seed=args.seed,
+        progress=True,
+        exact_tail=not args.fast_tail,
+        attention_impl=args.attention_impl,
+    )
+    report["summary"].update(target=str(args.target), drafter=str(args.drafter), stop_token_ids=list(stops))
+    if tok is not None:
+        for row in report["prompts"]:
+            row["output_text"] = tok.decode(row["output_ids"], skip_special_tokens=True)
+    print(format_summary(report["summary"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"report: {args.json}")
+    return 1 if report["summary"].get("lossless") is False else 0
+
+
+__all__ = ["acceptance_stats", "evaluate", "format_summary", "load_prompts", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
