@@ -244,6 +244,48 @@ def eval_batches(cfg: RunConfig, tokenizer, data_cfg, n_batches: int = 2):
     return out
 
 
+def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
+    """Token ids of the held-out prompts (never trained) for the tau evaluation."""
+    from dflash_jax.data.pipeline import load_heldout_prompts
+    from dflash_jax.regenerate import encode_prompt
+
+    if cfg.eval.num_prompts == 0 or not (cfg.data.heldout_fraction > 0 or cfg.data.heldout_count):
+        return []
+    out = []
+    for p in load_heldout_prompts(cfg.data):
+        ids = encode_prompt(tokenizer, p["messages"], cfg.data.enable_thinking)
+        if len(ids) <= cfg.eval.max_prompt_tokens:
+            out.append(ids)
+        if len(out) >= cfg.eval.num_prompts:
+            break
+    return out
+
+
+def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts) -> dict:
+    """Greedy speculative decoding of the held-out prompts: tau and what it rests on."""
+    from dflash_jax.eval import evaluate
+    from dflash_jax.regenerate import eos_ids
+
+    rep = evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        stop_token_ids=eos_ids(tokenizer, target.config),
+        batch_size=max(1, len(prompts)),
+        baseline=False,
+        warmup=False,
+    )
+    s = rep["summary"]
+    return {
+        "tau": float(s["tau"]),
+        "num_prompts": len(prompts),
+        "verify_steps": int(s["num_steps"]),
+        "tau_pooled": s["tau_pooled"],
+        "summary": s,
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
@@ -300,6 +342,7 @@ def run(
 
     data_cfg = cfg.data
     heldout_cfg = None
+    eval_prompts = heldout_prompt_ids(cfg, tokenizer)
     if cfg.regen.enabled:
         train_path, held_path = regenerated_data(cfg, target, tokenizer, target_dir)
         data_cfg = dataclasses.replace(
@@ -308,8 +351,6 @@ def run(
         heldout_cfg = dataclasses.replace(
             data_cfg, sources=(str(held_path),), batch_size=min(4, cfg.data.batch_size)
         )
-    elif cfg.data.heldout_fraction > 0 or cfg.data.heldout_count:
-        heldout_cfg = None  # held-out prompts are evaluated with the evaluator, not as packed rows
 
     dcfg = build_drafter_config(cfg, target, tokenizer)
     drafter = init_drafter(dcfg, target, cfg.train.seed)
@@ -364,8 +405,25 @@ def run(
         ms = [eval_step(drafter, target, put(b), eval_key) for b in held_batches]
         return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0) for k in ("loss", "streak", "slot_acc")}
 
+    def heldout_tau(when: str):
+        if not eval_prompts:
+            return
+        rep = measure_tau(cfg, target, drafter, tokenizer, eval_prompts)
+        result[f"tau_{when}"] = rep["tau"]
+        result[f"eval_{when}"] = rep
+        (run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
+        log.info(
+            "held-out tau %s training: %.3f over %d prompts (%d verify steps)",
+            when,
+            rep["tau"],
+            rep["num_prompts"],
+            rep["verify_steps"],
+        )
+
     result = {"run_dir": str(run_dir), "start_step": start_step}
     with jax.set_mesh(mesh):
+        if start_step == 0 and cfg.eval.before_training:
+            heldout_tau("before")
         if held_batches and start_step == 0:
             before = heldout_metrics()
             logger.log(0, before, prefix="heldout")
@@ -436,6 +494,7 @@ def run(
             after = heldout_metrics()
             logger.log(step, after, prefix="heldout")
             result["heldout_streak_after"] = float(after["streak"])
+        heldout_tau("after")
     logger.close()
     result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
     result["checkpoint_dir"] = str(ckpt.directory)

@@ -26,7 +26,13 @@ def losses(run_dir):
 def test_resume_is_exact(tmp_path):
     """N steps, stop, resume N more == 2N steps straight (params bit-identical on CPU)."""
     common = ["train.steps=6", "train.checkpoint_every=100", "train.warmup_steps=2"]
-    straight = run(tiny(tmp_path / "a", *common), quiet=True)
+    straight = run(tiny(tmp_path / "a", *common, "eval.num_prompts=2"), quiet=True)
+    # The held-out evaluation ran real speculative decoding before and after training.
+    for when in ("before", "after"):
+        rep = straight[f"eval_{when}"]
+        assert rep["num_prompts"] == 2 and rep["verify_steps"] > 0
+        assert 1.0 <= straight[f"tau_{when}"] <= 4.0
+        assert (tmp_path / "a" / f"eval_{when}.json").is_file()
     first = run(tiny(tmp_path / "b", *common), quiet=True, stop_at_step=3)
     assert first["step"] == 3
     second = run(tiny(tmp_path / "b", *common), quiet=True, resume=True)
