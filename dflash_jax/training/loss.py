@@ -62,20 +62,38 @@ def chunked_token_loss(
     dh = jnp.pad(draft_hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
     th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
 
+    def target_logits(t):
+        return jnp.einsum("CD,DV->CV", t.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+
+    def draft_logits(d):
+        return jnp.einsum("CD,DV->CV", d.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+
+    if kind == "ce":
+        # Labels need no gradient: one pass for them, so the remat'd chunk below recomputes only
+        # the drafter's logits in the backward pass.
+        labels = jax.lax.map(lambda t: jnp.argmax(target_logits(t), axis=-1).astype(jnp.int32), th)
+
+        @jax.checkpoint
+        def one(args):
+            d, label = args
+            d_logits = draft_logits(d)
+            lse = jax.nn.logsumexp(d_logits, axis=-1)
+            loss = lse - jnp.take_along_axis(d_logits, label[:, None], axis=-1)[:, 0]
+            return loss, jnp.argmax(d_logits, axis=-1) == label, label
+
+        loss, correct, label = jax.lax.map(one, (dh, labels))
+        return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
+
     @jax.checkpoint
     def one(args):
         d, t = args
-        t_logits = jnp.einsum("CD,DV->CV", t.astype(compute_dtype), w, preferred_element_type=jnp.float32)
-        d_logits = jnp.einsum("CD,DV->CV", d.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+        t_logits = target_logits(t)
+        d_logits = draft_logits(d)
         label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
         d_logp = jax.nn.log_softmax(d_logits, axis=-1)
-        if kind == "ce":
-            loss = -jnp.take_along_axis(d_logp, label[:, None], axis=-1)[:, 0]
-        else:
-            t_logp = jax.nn.log_softmax(t_logits, axis=-1)
-            loss = jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), axis=-1)
-        correct = jnp.argmax(d_logits, axis=-1) == label
-        return loss, correct, label
+        t_logp = jax.nn.log_softmax(t_logits, axis=-1)
+        loss = jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), axis=-1)
+        return loss, jnp.argmax(d_logits, axis=-1) == label, label
 
     loss, correct, label = jax.lax.map(one, (dh, th))
     return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
