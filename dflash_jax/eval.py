@@ -216,8 +216,8 @@ def evaluate(
     import jax
     from tqdm import tqdm
 
-    from dflash_jax.generate import SamplingConfig, generate
-    from dflash_jax.speculative import SpeculativeDecoder, _bucket
+    from dflash_jax.generate import SamplingConfig, bucket_length, generate
+    from dflash_jax.speculative import SpeculativeDecoder
 
     sampling = sampling or SamplingConfig()
     if max_new_tokens < 1:
@@ -259,7 +259,7 @@ def evaluate(
     if warmup:
         seen = set()
         for b, idx in enumerate(batches):
-            bucket = _bucket(max(len(prompts[i]) for i in idx))
+            bucket = bucket_length(max(len(prompts[i]) for i in idx))
             if bucket not in seen:
                 seen.add(bucket)
                 run_spec(idx, b)

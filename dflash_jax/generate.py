@@ -53,7 +53,8 @@ def pick_token(logits: jax.Array, cfg: SamplingConfig, key: jax.Array) -> jax.Ar
     return jax.random.categorical(key, sampling_logprobs(logits, cfg), axis=-1).astype(jnp.int32)
 
 
-def _bucket(n: int, multiple: int = 64) -> int:
+def bucket_length(n: int, multiple: int = 64) -> int:
+    """Round a length up to a multiple, so a few compiled shapes serve all prompts."""
     return max(multiple, -(-n // multiple) * multiple)
 
 
@@ -115,7 +116,7 @@ def generate(
         batch = [prompts[i] for i in idx]
         if any(len(p) == 0 for p in batch):
             raise ValueError("generate: empty prompt")
-        P = _bucket(max(len(p) for p in batch))
+        P = bucket_length(max(len(p) for p in batch))
         ids = np.zeros((batch_size, P), np.int32)
         lengths = np.ones((batch_size,), np.int32)
         for r, p in enumerate(batch):

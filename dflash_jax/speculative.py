@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.generate import SamplingConfig, pick_token, sampling_logprobs
+from dflash_jax.generate import SamplingConfig, bucket_length, pick_token, sampling_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,6 @@ class _State:
     log_produced: jax.Array  # [B, M]
     log_accepted: jax.Array  # [B, M]
     log_drafted: jax.Array  # [B, M]
-
-
-def _bucket(n: int, multiple: int = 64) -> int:
-    return max(multiple, -(-n // multiple) * multiple)
 
 
 def _take_rows(x, idx):
@@ -376,7 +372,7 @@ class SpeculativeDecoder:
                     f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                 )
         key = jax.random.key(0) if key is None else key
-        P = _bucket(max(len(p) for p in prompts))
+        P = bucket_length(max(len(p) for p in prompts))
         ids = np.zeros((B, P), np.int32)
         lengths = np.ones((B,), np.int32)
         for r, p in enumerate(prompts):

@@ -11,7 +11,7 @@ import pytest
 from dflash_jax.config_io import ConfigError
 from dflash_jax.drafter.api import get_params
 from dflash_jax.train import main, run
-from dflash_jax.training.run_config import load_run_config
+from dflash_jax.training.run_config import CONFIG_DIR, load_run_config
 
 
 def tiny(tmp_path, *overrides):
@@ -82,3 +82,9 @@ def test_tiny_streak_rises(tmp_path):
     assert result["step"] == 200
     assert (tmp_path / "metrics.png").stat().st_size > 1000
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIG_DIR).glob("*.yaml")))
+def test_every_shipped_config_loads(name):
+    cfg = load_run_config(name)
+    assert cfg.name == name and cfg.train.steps >= 1
