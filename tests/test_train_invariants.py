@@ -11,8 +11,8 @@ from hf_fixtures import make_hf_model, prompt_ids
 
 import dflash_jax
 from dflash_jax.training.anchors import anchor_candidates, sample_anchors
-from dflash_jax.training.loss import chunked_token_loss, default_gamma, slot_weights
-from dflash_jax.training.step import StepConfig, block_loss, drafter_loss, label_hidden, target_pass
+from dflash_jax.training.loss import chunked_token_loss, default_gamma, slot_weights, target_argmax
+from dflash_jax.training.step import StepConfig, block_loss, drafter_loss, target_pass
 
 B = 8
 
@@ -43,19 +43,20 @@ def packed_batch(T=192, seed=0):
     }
 
 
-def test_labels_are_the_targets_own_next_token_logits(tiny):
-    """Invariant 2: slot k of the block at anchor p is labelled by the target's logits at p+k-1."""
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_labels_are_the_targets_own_next_token_logits(tiny, kind):
+    """Invariant 2: slot k of the block at anchor p is labelled by the target's logits at p+k-1
+    (the labels the loss actually uses, for both loss kinds)."""
     hf, target = tiny
     batch = packed_batch()
-    cfg = StepConfig(block_size=B, max_anchors=12, target_layer_ids=(0, 2))
+    cfg = StepConfig(block_size=B, max_anchors=12, target_layer_ids=(0, 2), loss=kind, loss_chunk=64)
     _, hidden = target_pass(target, batch, cfg)
     anchors, valid = sample_anchors(
         jax.random.key(0), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=12
     )
-    th = label_hidden(hidden, anchors, B)
-    D = th.shape[-1]
-    _, _, labels = chunked_token_loss(th.reshape(-1, D), th.reshape(-1, D), target.lm_head_weight(), chunk=64)
-    labels = np.asarray(labels).reshape(2, 12, B - 1)
+    draft = jnp.zeros((2, 12, B, hidden.shape[-1]))
+    _, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
+    labels = np.asarray(extra["labels"])
 
     # Reference: transformers on each document separately (its true final logits).
     ids = np.asarray(batch["input_ids"])
@@ -147,20 +148,8 @@ def test_feature_noise_never_touches_labels(tiny):
     noisy = StepConfig(**{**base.__dict__, "feature_noise_std": 5.0})
 
     def labels_and_loss(cfg):
-        # Same anchors (same key); capture labels via block_loss on the model's output.
-        _, hidden = target_pass(target, batch, cfg)
-        anchors, valid = sample_anchors(
-            jax.random.split(jax.random.key(4))[0],
-            batch["loss_mask"],
-            batch["segment_ids"],
-            block_size=B,
-            max_anchors=8,
-        )
-        loss, m = drafter_loss(drafter, target, batch, jax.random.key(4), cfg)
-        th = label_hidden(hidden, anchors, B)
-        D = th.shape[-1]
-        lab = chunked_token_loss(th.reshape(-1, D), th.reshape(-1, D), target.lm_head_weight())[2]
-        return float(loss), np.asarray(lab)
+        loss, m = drafter_loss(drafter, target, batch, jax.random.key(4), cfg, with_labels=True)
+        return float(loss), np.asarray(m["labels"])
 
     loss_clean, lab_clean = labels_and_loss(base)
     loss_noisy, lab_noisy = labels_and_loss(noisy)
@@ -194,10 +183,17 @@ def test_chunked_loss_matches_dense_and_fits_memory():
         jax.ShapeDtypeStruct((D, V), jnp.float32),
     )
 
-    def f(d, t, w):
-        return jnp.mean(chunked_token_loss(d, t, w, chunk=256)[0])
+    def ce(d, t, w):  # the training path: per-position argmax labels, then the chunked CE
+        labels = target_argmax(t, w, chunk=256)
+        return jnp.mean(chunked_token_loss(d, None, w, chunk=256, labels=labels)[0])
 
-    compiled = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    def kl(d, t, w):
+        return jnp.mean(chunked_token_loss(d, t, w, kind="kl", chunk=256)[0])
+
     dense = N * V * 4
-    assert temp < dense / 4, f"temp {temp / 2**20:.0f} MiB vs dense logits {dense / 2**20:.0f} MiB"
+    for f in (ce, kl):
+        compiled = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp < dense / 4, (
+            f"{f.__name__}: temp {temp / 2**20:.0f} MiB vs dense logits {dense / 2**20:.0f} MiB"
+        )

@@ -44,11 +44,13 @@ def chunked_token_loss(
     kind: str = "ce",
     chunk: int = 1024,
     compute_dtype=jnp.float32,
+    labels: jax.Array | None = None,
 ):
     """Per-item loss and correctness over N items without materialising [N, V].
 
     draft_hidden, target_hidden [N, D] (both final-normed); lm_head [D, V] (frozen).
     kind "ce": cross-entropy on the target's argmax; "kl": KL(target || draft) on full softmaxes.
+    labels [N]: the target's argmax when already known (ce only; target_hidden is then unused).
     Returns (loss [N] fp32, correct [N] bool, label [N] int32).
     """
     if kind not in ("ce", "kl"):
@@ -58,9 +60,12 @@ def chunked_token_loss(
     n_chunks = math.ceil(N / chunk)
     pad = n_chunks * chunk - N
     w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
-    th = jax.lax.stop_gradient(target_hidden)
     dh = jnp.pad(draft_hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-    th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+    if labels is not None and kind != "ce":
+        raise ValueError("precomputed labels only apply to the ce loss")
+    if labels is None:
+        th = jax.lax.stop_gradient(target_hidden)
+        th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
 
     def target_logits(t):
         return jnp.einsum("CD,DV->CV", t.astype(compute_dtype), w, preferred_element_type=jnp.float32)
@@ -71,7 +76,10 @@ def chunked_token_loss(
     if kind == "ce":
         # Labels need no gradient: one pass for them, so the remat'd chunk below recomputes only
         # the drafter's logits in the backward pass.
-        labels = jax.lax.map(lambda t: jnp.argmax(target_logits(t), axis=-1).astype(jnp.int32), th)
+        if labels is None:
+            labels = jax.lax.map(lambda t: jnp.argmax(target_logits(t), axis=-1).astype(jnp.int32), th)
+        else:
+            labels = jnp.pad(labels.astype(jnp.int32), (0, pad)).reshape(n_chunks, chunk)
 
         @jax.checkpoint
         def one(args):
@@ -97,6 +105,23 @@ def chunked_token_loss(
 
     loss, correct, label = jax.lax.map(one, (dh, th))
     return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
+
+
+def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, compute_dtype=jnp.float32):
+    """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked."""
+    lead, D = hidden.shape[:-1], hidden.shape[-1]
+    flat = jax.lax.stop_gradient(hidden).reshape(-1, D)
+    N = flat.shape[0]
+    chunk = max(1, min(chunk, N))
+    n_chunks = math.ceil(N / chunk)
+    flat = jnp.pad(flat, ((0, n_chunks * chunk - N), (0, 0))).reshape(n_chunks, chunk, D)
+    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+
+    def one(h):
+        logits = jnp.einsum("CD,DV->CV", h.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.map(one, flat).reshape(-1)[:N].reshape(lead)
 
 
 def block_metrics(correct: jax.Array, item_mask: jax.Array, anchor_valid: jax.Array):

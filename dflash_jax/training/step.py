@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.training.anchors import block_positions, sample_anchors
-from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights
+from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights, target_argmax
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,12 @@ def labels_and_mask(anchors, anchor_valid, loss_mask, block_size: int):
     return label_pos, item_mask
 
 
-def label_hidden(hidden, anchors, block_size: int):
-    """[R,T,D] final normed target hidden -> [R,A,B-1,D] at anchor+k-1 for slots k = 1..B-1."""
-    R, T, D = hidden.shape
-    label_pos = block_positions(anchors, block_size, T)[..., :-1]
-    A = anchors.shape[1]
-    gathered = jnp.take_along_axis(hidden, label_pos.reshape(R, -1)[..., None], axis=1)
-    return gathered.reshape(R, A, block_size - 1, D)
+def gather_positions(x, pos):
+    """x [R,T,...] at pos [R,...] -> [R,..., ...]: per-row gather along T."""
+    R = x.shape[0]
+    flat = pos.reshape(R, -1)
+    idx = flat.reshape(*flat.shape, *([1] * (x.ndim - 2)))
+    return jnp.take_along_axis(x, idx, axis=1).reshape(*pos.shape, *x.shape[2:])
 
 
 def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: StepConfig):
@@ -84,16 +83,24 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: St
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
     """
     R, A, B, D = draft.shape
-    _, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
-    target_h = label_hidden(hidden, anchors, B)
+    label_pos, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    if cfg.loss == "ce":
+        # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
+        per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
+        slot_labels = gather_positions(per_position, label_pos).reshape(-1)
+        target_h = None
+    else:
+        slot_labels = None
+        target_h = gather_positions(hidden, label_pos).reshape(-1, D)
     loss_i, correct, labels = chunked_token_loss(
         draft[:, :, 1:].reshape(-1, D),
-        target_h.reshape(-1, D),
+        target_h,
         lm_head,
         kind=cfg.loss,
         chunk=cfg.loss_chunk,
         compute_dtype=dtype,
+        labels=slot_labels,
     )
     w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
     weights = (item_mask * w).reshape(-1)
@@ -102,8 +109,9 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: St
     return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
 
 
-def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
-    """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only."""
+def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: bool = False):
+    """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
+    ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging)."""
     k_anchor, k_noise = jax.random.split(key)
     features, hidden = target_pass(target, batch, cfg)
     if cfg.feature_noise_std > 0:
@@ -127,6 +135,8 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig):
         "anchors": jnp.sum(valid),
         "tokens": jnp.sum(batch["segment_ids"] != 0),
     }
+    if with_labels:
+        metrics["labels"] = extra["labels"]
     return loss, metrics
 
 
