@@ -151,6 +151,39 @@ def bench_generate(args) -> dict:
     }
 
 
+def bench_loss(args) -> dict:
+    from dflash_jax.training.loss import chunked_token_loss
+
+    dh, th = jax.random.normal(jax.random.key(0), (2, args.slots, args.hidden))
+    w = jax.random.normal(jax.random.key(1), (args.hidden, args.vocab)) * 0.05
+    out = {"slots": args.slots, "hidden": args.hidden, "vocab": args.vocab, "chunk": args.chunk}
+    for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        f = jax.jit(
+            jax.grad(
+                lambda d, dt=dt: jnp.mean(chunked_token_loss(d, th, w, chunk=args.chunk, compute_dtype=dt)[0])
+            )
+        )
+        out[f"{name}_fwd_bwd_s"] = _timeit(lambda f=f: f(dh), args.repeats)
+    return out
+
+
+def bench_target(args) -> dict:
+    from flax import nnx
+
+    import dflash_jax
+    from dflash_jax import assets
+
+    path = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    out = {"target": str(path), "rows": args.rows, "length": args.length}
+    x = jnp.ones((args.rows, args.length), jnp.int32)
+    for dt in ("float32", "bfloat16"):
+        t = dflash_jax.load_target(path, dtype=dt)
+        taps = (1, t.config.num_layers - 3)
+        f = nnx.jit(lambda m, x, taps=taps: m(x, layer_ids=taps, return_logits=False).features)
+        out[f"{dt}_s"] = _timeit(lambda f=f, t=t: f(t, x), args.repeats)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -178,8 +211,21 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="float32")
     for name, default in (("batch", 32), ("prompt", 128), ("new", 128)):
         g.add_argument(f"--{name}", type=int, default=default)
+    lo = sub.add_parser("loss")
+    for name, default in (("slots", 1920), ("hidden", 576), ("vocab", 49152), ("chunk", 512), ("repeats", 2)):
+        lo.add_argument(f"--{name}", type=int, default=default)
+    tg = sub.add_parser("target")
+    tg.add_argument("--target", default="smollm2")
+    for name, default in (("rows", 4), ("length", 384), ("repeats", 2)):
+        tg.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args(argv)
-    result = {"step": bench_step, "attention": bench_attention, "generate": bench_generate}[args.what](args)
+    result = {
+        "step": bench_step,
+        "attention": bench_attention,
+        "generate": bench_generate,
+        "loss": bench_loss,
+        "target": bench_target,
+    }[args.what](args)
     print(json.dumps(result, indent=2))
     return 0
 
