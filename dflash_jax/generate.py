@@ -58,6 +58,18 @@ def bucket_length(n: int, multiple: int = 64) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def pad_prompts(prompts, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into ``[rows, bucket_length(longest)]`` ids plus their lengths
+    (rows past the prompts are dummies of length 1)."""
+    P = bucket_length(max(len(p) for p in prompts))
+    ids = np.zeros((rows, P), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = p
+        lengths[r] = len(p)
+    return ids, lengths
+
+
 @partial(nnx.jit, static_argnames=("max_new_tokens", "sampling"))
 def _generate_batch(target, ids, lengths, eos_ids, key, *, max_new_tokens: int, sampling: SamplingConfig):
     B, P = ids.shape
@@ -116,12 +128,7 @@ def generate(
         batch = [prompts[i] for i in idx]
         if any(len(p) == 0 for p in batch):
             raise ValueError("generate: empty prompt")
-        P = bucket_length(max(len(p) for p in batch))
-        ids = np.zeros((batch_size, P), np.int32)
-        lengths = np.ones((batch_size,), np.int32)
-        for r, p in enumerate(batch):
-            ids[r, : len(p)] = p
-            lengths[r] = len(p)
+        ids, lengths = pad_prompts(batch, batch_size)
         key, sub = jax.random.split(key)
         tokens, n_out = _generate_batch(
             target,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.generate import SamplingConfig, bucket_length, pick_token, sampling_logprobs
+from dflash_jax.generate import SamplingConfig, pad_prompts, pick_token, sampling_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -372,12 +372,7 @@ class SpeculativeDecoder:
                     f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                 )
         key = jax.random.key(0) if key is None else key
-        P = bucket_length(max(len(p) for p in prompts))
-        ids = np.zeros((B, P), np.int32)
-        lengths = np.ones((B,), np.int32)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = p
-            lengths[r] = len(p)
+        ids, lengths = pad_prompts(prompts, B)
         done = np.arange(B) >= len(prompts)
         stops = jnp.asarray(list(stop_token_ids) or [-1], jnp.int32)
         key, sub = jax.random.split(key)
