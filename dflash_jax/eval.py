@@ -266,27 +266,21 @@ def evaluate(
                 if baseline:
                     run_base(idx, b)
 
-    outputs = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="speculative", disable=not progress)
-    t0 = time.perf_counter()
-    for b, idx in enumerate(batches):
-        for i, o in zip(idx, run_spec(idx, b), strict=True):
-            outputs[i] = o
-        bar.update(len(idx))
-    spec_s = time.perf_counter() - t0
-    bar.close()
-
-    base_out, base_s = None, None
-    if baseline:
-        base_out = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="baseline", disable=not progress)
+    def timed(run, desc):
+        """Every batch through ``run``; per-prompt results in prompt order, and the seconds."""
+        out = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc=desc, disable=not progress)
         t0 = time.perf_counter()
         for b, idx in enumerate(batches):
-            for i, o in zip(idx, run_base(idx, b), strict=True):
-                base_out[i] = o
+            for i, o in zip(idx, run(idx, b), strict=True):
+                out[i] = o
             bar.update(len(idx))
-        base_s = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         bar.close()
+        return out, seconds
+
+    outputs, spec_s = timed(run_spec, "speculative")
+    base_out, base_s = timed(run_base, "baseline") if baseline else (None, None)
 
     n_out = sum(len(o.output_ids) for o in outputs)
     spec_forwards = sum(o.target_forwards for o in outputs)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from dflash_jax import assets
 from dflash_jax.config_io import ConfigError
 from dflash_jax.sharding import make_mesh, named_sharding
-from dflash_jax.training.run_config import RunConfig, load_run_config, run_config_from_dict
+from dflash_jax.training.run_config import RunConfig, load_run_config
 
 log = logging.getLogger("dflash_jax.train")
 
@@ -232,7 +232,7 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     return train_path, held_path
 
 
-def eval_batches(cfg: RunConfig, tokenizer, data_cfg, n_batches: int = 2):
+def eval_batches(tokenizer, data_cfg, n_batches: int = 2):
     from dflash_jax.data.pipeline import make_train_iterator
 
     it = make_train_iterator(dataclasses.replace(data_cfg, shuffle=False, num_epochs=1), tokenizer)
@@ -389,7 +389,7 @@ def run(
         log.info("resumed from step %d", start_step)
 
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
-    held_batches = eval_batches(cfg, tokenizer, heldout_cfg) if heldout_cfg is not None else []
+    held_batches = eval_batches(tokenizer, heldout_cfg) if heldout_cfg is not None else []
     logger = MetricLogger(run_dir)
     eval_key = jax.random.key(cfg.train.seed + 1)
 
@@ -528,8 +528,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"outputs: {result['run_dir']} (metrics.jsonl, metrics.png, tensorboard/, checkpoints/)")
     return 0
 
-
-__all__ = ["main", "run", "run_config_from_dict"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -135,7 +135,3 @@ def load_run_config(name_or_path: str = "demo", overrides: list[str] | tuple[str
     data = load_yaml(resolve_config_path(name_or_path))
     data = apply_overrides(data, list(overrides))
     return from_dict(RunConfig, data)
-
-
-def run_config_from_dict(data: dict) -> RunConfig:
-    return from_dict(RunConfig, data)
