@@ -19,6 +19,9 @@ class TargetSection:
 
     path: str = "smollm2"
     dtype: str = "float32"
+    # HF config.json fields of the target, written out: lets a run be planned (memory per device,
+    # layouts) with no target directory at hand. Loading weights still reads the directory.
+    architecture: dict | None = None
     tokenizer: str | None = None  # default: the target dir (``tiny``: the SmolLM2 tokenizer)
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 4

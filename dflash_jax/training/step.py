@@ -140,16 +140,38 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: b
     return loss, metrics
 
 
+def apply_train_step(drafter, optimizer, target, batch, key, cfg: StepConfig) -> dict:
+    """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
+    trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same."""
+
+    def loss_fn(model):
+        return drafter_loss(model, target, batch, key, cfg)
+
+    (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    optimizer.update(drafter, grads)
+    return metrics
+
+
+def step_config_for_run(train, drafter_config) -> StepConfig:
+    """StepConfig from a run config's ``train`` section and the drafter's config."""
+    return StepConfig(
+        block_size=drafter_config.block_size,
+        max_anchors=train.max_anchors,
+        target_layer_ids=tuple(drafter_config.target_layer_ids),
+        loss=train.loss,
+        loss_weighting=train.loss_weighting,
+        gamma=train.gamma,
+        loss_chunk=train.loss_chunk,
+        compute_dtype=train.compute_dtype,
+        feature_noise_std=train.feature_noise_std,
+    )
+
+
 def make_train_step(cfg: StepConfig):
     @nnx.jit(donate_argnums=(0, 1))
     def train_step(drafter, optimizer, target, batch, key):
-        def loss_fn(model):
-            return drafter_loss(model, target, batch, key, cfg)
-
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        optimizer.update(drafter, grads)
-        return metrics
+        return apply_train_step(drafter, optimizer, target, batch, key, cfg)
 
     return train_step
 

@@ -1,0 +1,430 @@
+"""Memory and communication plans from AOT compiles on abstract parameters.
+
+Nothing here reads or allocates a weight: the target, the drafter and the optimizer are built with
+``nnx.eval_shape``, every leaf becomes a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding``
+its logical axes give on the mesh, and ``jax.jit(...).lower(...).compile()`` yields the per-device
+program. From it: ``memory_analysis()`` (arguments, outputs, aliasing, temporaries), the HLO's
+collectives and matmul FLOPs (``hlo_stats``), and optionally a measured step time on the devices.
+
+Used by ``python -m dflash_jax.mesh_experiment`` (many layouts) and ``python -m dflash_jax.train
+--plan`` / the pre-flight check before a run loads its target (one layout).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dflash_jax import hlo_stats
+from dflash_jax.sharding import MESH_AXES, MeshConfig, make_mesh, named_sharding
+
+
+class LayoutError(ValueError):
+    """A mesh layout that cannot run this model: names the dimension and the mesh axis."""
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What one training step looks like, independent of the layout."""
+
+    target_config: object  # TargetConfig
+    drafter_config: object  # DrafterConfig
+    step_config: object  # training.step.StepConfig
+    train_section: object  # run_config.TrainSection (optimizer hyper-parameters)
+    target_dtype: str = "bfloat16"
+    batch_rows: int = 8  # R: global packed rows per step
+    seq_len: int = 4096  # T
+
+
+@dataclass
+class LayoutPlan:
+    layout: str
+    devices: int
+    target_param_bytes: int
+    drafter_param_bytes: int
+    optimizer_bytes: int
+    train_argument_bytes: int
+    train_output_bytes: int
+    train_alias_bytes: int
+    train_temp_bytes: int
+    target_temp_bytes: int
+    flops: float  # matmul FLOPs per device per step (loops multiplied out)
+    collectives: dict = field(default_factory=dict)  # kind -> (count, bytes) per device per step
+    unknown_trip_loops: int = 0
+    compile_seconds: float = 0.0
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per-device peak of the train step: live arguments + outputs not aliased + temporaries."""
+        return (
+            self.train_argument_bytes + self.train_output_bytes - self.train_alias_bytes + self.train_temp_bytes
+        )
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(b for _, b in self.collectives.values())
+
+    def collectives_summary(self) -> str:
+        return hlo_stats.HloStats(self.flops, self.collectives, self.unknown_trip_loops).collectives_summary()
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------------------------
+
+
+def parse_layout(text: str) -> MeshConfig:
+    """'data=2,tensor=4' -> MeshConfig(data=2, fsdp=1, tensor=4); unnamed axes are 1."""
+    return MeshConfig.from_string(text)
+
+
+def layout_name(config: MeshConfig, num_devices: int) -> str:
+    sizes = config.resolve(num_devices)
+    parts = [f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True) if s > 1]
+    return ",".join(parts) or "data=1"
+
+
+def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> tuple[int, int, int]:
+    """Resolve ``config`` against the devices and reject a layout the model cannot use.
+
+    Returns the (data, fsdp, tensor) sizes. Raises LayoutError naming the dimension and the axis.
+    """
+    sizes = [config.data, config.fsdp, config.tensor]
+    known = math.prod(s for s in sizes if s > 0)
+    wanted = config.num_devices or (known if -1 not in sizes else available_devices)
+    if known > available_devices or wanted > available_devices:
+        raise LayoutError(
+            f"layout {config_text(config)} needs {max(known, wanted)} devices but only "
+            f"{available_devices} exist"
+        )
+    try:
+        data, fsdp, tensor = config.resolve(wanted)
+    except ValueError as e:
+        raise LayoutError(str(e)) from e
+    t, d = spec.target_config, spec.drafter_config
+    checks = [
+        ("tensor", tensor, "num_heads (target)", t.num_heads),
+        ("tensor", tensor, "num_kv_heads (target)", t.num_kv_heads),
+        ("tensor", tensor, "intermediate_size (target)", t.intermediate_size),
+        ("tensor", tensor, "num_heads (drafter)", d.num_heads),
+        ("tensor", tensor, "num_kv_heads (drafter)", d.num_kv_heads),
+        ("tensor", tensor, "intermediate_size (drafter)", d.intermediate_size),
+        ("fsdp", fsdp, "hidden_size", t.hidden_size),
+        ("data*fsdp", data * fsdp, "batch rows", spec.batch_rows),
+    ]
+    for axis, size, dim, value in checks:
+        if size > 1 and value % size:
+            raise LayoutError(
+                f"layout {config_text(config)}: mesh axis {axis}={size} does not divide {dim}={value}"
+            )
+    return data, fsdp, tensor
+
+
+def config_text(config: MeshConfig) -> str:
+    return ",".join(f"{a}={getattr(config, a)}" for a in MESH_AXES if getattr(config, a) != 1) or "data=1"
+
+
+# --------------------------------------------------------------------------------------------
+# abstract state
+# --------------------------------------------------------------------------------------------
+
+
+def _abstract_with_shardings(state, mesh: Mesh):
+    """Every leaf of an nnx State -> ShapeDtypeStruct with the sharding of its logical axes."""
+
+    def leaf(var):
+        value = var.get_value() if hasattr(var, "get_value") else var
+        axes = var.get_metadata().get("logical_axes") if hasattr(var, "get_metadata") else None
+        sharding = named_sharding(mesh, axes if value.shape else None, value.shape)
+        var = var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+        return var
+
+    return jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _shardings(abstract_state):
+    return jax.tree.map(lambda x: x.sharding, abstract_state)
+
+
+def per_device_bytes(abstract_state) -> int:
+    """Bytes one device holds: each leaf's shard shape times its itemsize (the largest shard)."""
+    total = 0
+    for x in jax.tree.leaves(abstract_state):
+        shard = x.sharding.shard_shape(x.shape) if x.shape else ()
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract_target(spec: PlanSpec, mesh: Mesh):
+    from dflash_jax.target.model import TargetModel
+
+    model = nnx.eval_shape(
+        lambda: TargetModel(spec.target_config, dtype=jnp.dtype(spec.target_dtype), rngs=nnx.Rngs(0))
+    )
+    graphdef, state = nnx.split(model)
+    return graphdef, _abstract_with_shardings(state, mesh)
+
+
+def abstract_drafter_and_optimizer(spec: PlanSpec, mesh: Mesh):
+    from dflash_jax.drafter.model import DFlashDrafter
+    from dflash_jax.training.step import make_optimizer
+
+    def create():
+        drafter = DFlashDrafter(spec.drafter_config, rngs=nnx.Rngs(0))
+        return drafter, nnx.Optimizer(drafter, make_optimizer(spec.train_section), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(create))
+    return graphdef, _abstract_with_shardings(state, mesh)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over (data, fsdp): the layout the trainer's input pipeline uses."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+
+
+def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
+    s = jax.ShapeDtypeStruct((spec.batch_rows, spec.seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    return {"input_ids": s, "positions": s, "segment_ids": s, "loss_mask": s}
+
+
+# --------------------------------------------------------------------------------------------
+# compiled step functions
+# --------------------------------------------------------------------------------------------
+
+
+def _target_forward_fn(t_graph, step_config):
+    from dflash_jax.training.step import target_pass
+
+    def forward(t_state, batch):
+        return target_pass(nnx.merge(t_graph, t_state), batch, step_config)
+
+    return forward
+
+
+def _train_step_fn(d_graph, t_graph, step_config):
+    from dflash_jax.training.step import apply_train_step
+
+    def step(state, t_state, batch, key):
+        drafter, optimizer = nnx.merge(d_graph, state)
+        target = nnx.merge(t_graph, t_state)
+        metrics = apply_train_step(drafter, optimizer, target, batch, key, step_config)
+        return nnx.state((drafter, optimizer)), metrics
+
+    return step
+
+
+_PLAN_ONLY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _cpu(devices) -> bool:
+    return all(d.platform == "cpu" for d in devices)
+
+
+def _memory(compiled):
+    m = compiled.memory_analysis()
+    if m is None:  # some backends do not report
+        return 0, 0, 0, 0
+    return (
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+        int(m.temp_size_in_bytes),
+    )
+
+
+def plan_layout(
+    spec: PlanSpec,
+    layout: MeshConfig,
+    devices=None,
+    *,
+    measure_steps: int = 0,
+) -> LayoutPlan:
+    """AOT-compile the target forward and the full train step for one layout; optionally time it."""
+    devices = list(devices) if devices is not None else jax.devices()
+    data, fsdp, tensor = check_layout(layout, spec, len(devices))
+    n = data * fsdp * tensor
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), devices[:n])
+    name = layout_name(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), n)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        t_graph, t_state = abstract_target(spec, mesh)
+        d_graph, d_state = abstract_drafter_and_optimizer(spec, mesh)
+        batch = abstract_batch(spec, mesh)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+
+        # Memory analysis comes from buffer assignment, before code generation: a plan-only compile
+        # skips the expensive LLVM passes (same numbers, ~1/3 less compile time on CPU).
+        opts = None if measure_steps else _PLAN_ONLY_COMPILER_OPTIONS
+        fwd = jax.jit(_target_forward_fn(t_graph, spec.step_config)).lower(t_state, batch)
+        fwd = fwd.compile(compiler_options=opts) if opts and _cpu(devices) else fwd.compile()
+        step_jit = jax.jit(
+            _train_step_fn(d_graph, t_graph, spec.step_config),
+            donate_argnums=(0,),
+            out_shardings=(_shardings(d_state), None),
+        )
+        lowered = step_jit.lower(d_state, t_state, batch, key)
+        compiled = lowered.compile(compiler_options=opts) if opts and _cpu(devices) else lowered.compile()
+    compile_s = time.perf_counter() - t0
+    stats = hlo_stats.analyze(compiled.as_text())
+    args, outs, alias, temp = _memory(compiled)
+    param_bytes = per_device_bytes(_params_only(d_state))
+    plan = LayoutPlan(
+        layout=name,
+        devices=n,
+        target_param_bytes=per_device_bytes(t_state),
+        drafter_param_bytes=param_bytes,
+        optimizer_bytes=per_device_bytes(d_state) - param_bytes,
+        train_argument_bytes=args,
+        train_output_bytes=outs,
+        train_alias_bytes=alias,
+        train_temp_bytes=temp,
+        target_temp_bytes=_memory(fwd)[3],
+        flops=stats.matmul_flops,
+        collectives=stats.collectives,
+        unknown_trip_loops=stats.unknown_trip_loops,
+        compile_seconds=compile_s,
+    )
+    if measure_steps > 0:
+        plan.step_seconds = _measure(compiled, spec, mesh, t_state, d_state, measure_steps)
+        plan.tokens_per_second = spec.batch_rows * spec.seq_len / plan.step_seconds
+    return plan
+
+
+def _params_only(state):
+    """The drafter's nnx.Param leaves of a (drafter, optimizer) state (index 0 is the drafter)."""
+    return state[0]
+
+
+def _random_like(abstract, seed: int):
+    """Concrete arrays with the abstract tree's shapes, dtypes and shardings, made on device."""
+    leaves, treedef = jax.tree.flatten(abstract)
+
+    def make(keys):
+        out = []
+        for k, x in zip(keys, leaves, strict=True):
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                out.append((0.02 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype))
+            else:
+                out.append(jnp.zeros(x.shape, x.dtype))
+        return out
+
+    keys = list(jax.random.split(jax.random.key(seed), len(leaves)))
+    made = jax.jit(make, out_shardings=[x.sharding for x in leaves])(keys)
+    return jax.tree.unflatten(treedef, made)
+
+
+def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int) -> float:
+    """Median seconds per train step on the mesh's devices, random weights, packed random rows."""
+    t_real = _random_like(t_state, 0)
+    d_real = _random_like(d_state, 1)
+    R, T = spec.batch_rows, spec.seq_len
+    rng = np.random.default_rng(0)
+    doc = max(T // 4, 1)
+    seg = (np.arange(T) // doc + 1)[None].repeat(R, 0).astype(np.int32)
+    pos = (np.arange(T) % doc)[None].repeat(R, 0).astype(np.int32)
+    batch = {
+        "input_ids": rng.integers(0, spec.target_config.vocab_size, (R, T)).astype(np.int32),
+        "positions": pos,
+        "segment_ids": seg,
+        "loss_mask": (pos >= doc // 4).astype(np.int32),
+    }
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
+    times = []
+    with jax.set_mesh(mesh):
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            d_real, metrics = compiled(d_real, t_real, batch, jax.random.key(i))
+            jax.block_until_ready(metrics)
+            if i:  # the first call carries one-off transfer and allocation costs
+                times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# --------------------------------------------------------------------------------------------
+# from a run config
+# --------------------------------------------------------------------------------------------
+
+
+def target_config_for_run(cfg):
+    """The target's architecture without touching its weights: ``target.architecture`` (HF
+    config.json fields written in the run config) or the target directory's config.json."""
+    from pathlib import Path
+
+    from dflash_jax.target.config import TargetConfig
+
+    t = cfg.target
+    if t.architecture:
+        return TargetConfig.from_hf_dict(dict(t.architecture))
+    if t.path == "tiny":
+        raise LayoutError("target.path=tiny has no architecture before its tokenizer is read; plan a real config")
+    if t.path == "smollm2":
+        from dflash_jax import assets
+
+        return TargetConfig.from_pretrained(assets.smollm2_dir())
+    path = Path(t.path)
+    if not (path / "config.json").is_file():
+        raise LayoutError(
+            f"cannot plan: {path}/config.json does not exist and the config has no target.architecture"
+        )
+    return TargetConfig.from_pretrained(path)
+
+
+def spec_for_run(cfg, *, seq_len: int | None = None, batch_rows: int | None = None, max_anchors=None, **step_overrides):
+    """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights."""
+    import dataclasses
+
+    from dflash_jax.drafter.config import DrafterConfig
+    from dflash_jax.training.step import step_config_for_run
+
+    tc = target_config_for_run(cfg)
+    d = cfg.drafter
+    overrides = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
+    if d.intermediate_size is not None:
+        overrides["intermediate_size"] = d.intermediate_size
+    dcfg = DrafterConfig.for_target(
+        tc,
+        num_layers=d.num_layers,
+        # The mask token only picks an embedding row; any valid row plans the same memory.
+        mask_token_id=d.mask_token_id if d.mask_token_id is not None else tc.vocab_size - 1,
+        block_size=d.block_size,
+        target_layer_ids=d.target_layer_ids,
+        **overrides,
+    )
+    train = cfg.train
+    if max_anchors is not None:
+        train = dataclasses.replace(train, max_anchors=max_anchors)
+    step_cfg = step_config_for_run(train, dcfg)
+    if step_overrides:
+        step_cfg = dataclasses.replace(step_cfg, **step_overrides)
+    return PlanSpec(
+        target_config=tc,
+        drafter_config=dcfg,
+        step_config=step_cfg,
+        train_section=train,
+        target_dtype=cfg.target.dtype,
+        batch_rows=batch_rows or cfg.data.batch_size,
+        seq_len=seq_len or cfg.data.max_length,
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' / '80GiB' / '80e9' -> bytes (GB = 1e9, GiB = 2**30)."""
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(float(s))
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
