@@ -222,7 +222,19 @@ def _train_step_fn(d_graph, t_graph, step_config):
     return step
 
 
-_PLAN_ONLY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+def _cpu_compiler_options(plan_only: bool) -> dict:
+    """CPU compiles stand in for GPU ones, with two adjustments.
+
+    The CPU backend runs bf16 matmuls in f32, and loop-invariant code motion then hoists an f32
+    copy of every stacked bf16 weight out of the layer loop (a [L, ...] convert: 2x the target's
+    weights in temporaries, which no GPU compile has). Disabling that one pass removes the copy.
+    Memory analysis comes from buffer assignment, before code generation, so a plan-only compile
+    also skips the expensive LLVM passes (same numbers, ~1/3 less compile time).
+    """
+    opts = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+    if plan_only:
+        opts.update(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+    return opts
 
 
 def _cpu(devices) -> bool:
@@ -261,18 +273,16 @@ def plan_layout(
         batch = abstract_batch(spec, mesh)
         key = jax.eval_shape(lambda: jax.random.key(0))
 
-        # Memory analysis comes from buffer assignment, before code generation: a plan-only compile
-        # skips the expensive LLVM passes (same numbers, ~1/3 less compile time on CPU).
-        opts = None if measure_steps else _PLAN_ONLY_COMPILER_OPTIONS
+        opts = _cpu_compiler_options(plan_only=not measure_steps) if _cpu(devices) else None
         fwd = jax.jit(_target_forward_fn(t_graph, spec.step_config)).lower(t_state, batch)
-        fwd = fwd.compile(compiler_options=opts) if opts and _cpu(devices) else fwd.compile()
+        fwd = fwd.compile(compiler_options=opts)
         step_jit = jax.jit(
             _train_step_fn(d_graph, t_graph, spec.step_config),
             donate_argnums=(0,),
             out_shardings=(_shardings(d_state), None),
         )
         lowered = step_jit.lower(d_state, t_state, batch, key)
-        compiled = lowered.compile(compiler_options=opts) if opts and _cpu(devices) else lowered.compile()
+        compiled = lowered.compile(compiler_options=opts)
     compile_s = time.perf_counter() - t0
     stats = hlo_stats.analyze(compiled.as_text())
     args, outs, alias, temp = _memory(compiled)
@@ -378,14 +388,22 @@ def target_config_for_run(cfg):
     return TargetConfig.from_pretrained(path)
 
 
-def spec_for_run(cfg, *, seq_len: int | None = None, batch_rows: int | None = None, max_anchors=None, **step_overrides):
+def spec_for_run(
+    cfg,
+    *,
+    target_config=None,
+    seq_len: int | None = None,
+    batch_rows: int | None = None,
+    max_anchors=None,
+    **step_overrides,
+):
     """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights."""
     import dataclasses
 
     from dflash_jax.drafter.config import DrafterConfig
     from dflash_jax.training.step import step_config_for_run
 
-    tc = target_config_for_run(cfg)
+    tc = target_config or target_config_for_run(cfg)
     d = cfg.drafter
     overrides = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
     if d.intermediate_size is not None:
@@ -428,3 +446,48 @@ def parse_bytes(text: str) -> int:
 
 def human_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The run's own layout needs more memory per device than its devices have."""
+
+
+def device_memory_limit(devices) -> int | None:
+    """Bytes XLA may use on one device (accelerators report it; CPU devices do not)."""
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def describe(plan: LayoutPlan, device_memory: int | None) -> str:
+    lines = [
+        f"plan for layout {plan.layout} on {plan.devices} devices (per device):",
+        f"  target params   {human_bytes(plan.target_param_bytes)}",
+        f"  drafter params  {human_bytes(plan.drafter_param_bytes)}",
+        f"  optimizer       {human_bytes(plan.optimizer_bytes)}",
+        f"  step temporaries {human_bytes(plan.train_temp_bytes)}",
+        f"  step peak       {human_bytes(plan.peak_bytes)}"
+        + (f"  (device memory {human_bytes(device_memory)})" if device_memory else "  (device memory unknown)"),
+        f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}",
+        f"  matmul TFLOP/step {plan.flops / 1e12:.2f}; collectives: {plan.collectives_summary()}",
+    ]
+    return "\n".join(lines)
+
+
+def preflight(cfg, devices, *, target_config=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
+    """Plan the run's own config and mesh before any weight is read; raise PlanDoesNotFit (with
+    the numbers) when the step's per-device peak exceeds ``device_memory`` (default: what the
+    devices report; unknown on CPU, where nothing is refused)."""
+    spec = spec_for_run(cfg, target_config=target_config)
+    p = plan_layout(spec, cfg.mesh, devices)
+    limit = device_memory if device_memory is not None else device_memory_limit(devices)
+    text = describe(p, limit)
+    if limit is not None and p.peak_bytes > limit:
+        raise PlanDoesNotFit(
+            f"{text}\nthe train step needs {human_bytes(p.peak_bytes)} per device but the devices have "
+            f"{human_bytes(limit)}: try python -m dflash_jax.mesh_experiment --config ... --layouts ... "
+            f"(other layouts, train.micro_batches, train.remat) before loading the target"
+        )
+    return p, text

@@ -122,3 +122,27 @@ def test_mesh_experiment_reduced_config_three_layouts(tmp_path, capsys):
 
 def test_conftest_gives_eight_devices():
     assert len(jax.devices()) >= 8
+
+
+def test_train_plan_refuses_a_config_that_cannot_fit(capsys):
+    """--plan compiles the run's own step on abstract weights: the target directory of this config
+    does not exist, so any attempt to read a weight would fail with a different error."""
+    from dflash_jax.train import main as train_main
+
+    rc = train_main(["--config", "qwen3-8b", "--plan", "--device-memory", "1MB", *TINY_OVERRIDES,
+                     "mesh=data=2,tensor=4", "data.max_length=64", "data.batch_size=4", "train.max_anchors=4"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "layout data=2,tensor=4 on 8 devices" in err
+    for what in ("target params", "drafter params", "optimizer", "step peak", "GiB per device but"):
+        assert what in err
+
+
+@pytest.mark.slow
+def test_train_run_refuses_before_loading_the_target(capsys):
+    from dflash_jax.train import main as train_main
+
+    rc = train_main(["--config", "qwen3-8b", "--device-memory", "1MB", *TINY_OVERRIDES,
+                     "data.max_length=64", "data.batch_size=4", "train.max_anchors=4"])  # fmt: skip
+    assert rc == 3
+    assert "does not fit, nothing loaded" in capsys.readouterr().err

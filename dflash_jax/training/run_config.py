@@ -57,6 +57,8 @@ class TrainSection:
     loss_chunk: int = 1024
     compute_dtype: str = "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
     feature_noise_std: float = 0.0  # noise on the drafter's input features only, never on labels
+    remat: str = "none"  # drafter forward recompute in backward: none | full | dots
+    micro_batches: int = 1  # gradient accumulation: the batch's rows in this many sequential passes
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 100
@@ -80,6 +82,10 @@ class TrainSection:
             raise ValueError("train.learning_rate must be > 0 and train.end_lr_ratio in [0, 1]")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.remat not in ("none", "full", "dots"):
+            raise ValueError(f"train.remat must be none, full or dots, got {self.remat!r}")
+        if self.micro_batches < 1:
+            raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "loss_chunk"):

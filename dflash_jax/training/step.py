@@ -29,6 +29,22 @@ class StepConfig:
     loss_chunk: int = 1024
     compute_dtype: str = "float32"
     feature_noise_std: float = 0.0
+    remat: str = "none"  # drafter forward: none | full (keep only inputs) | dots (keep matmul outputs)
+    micro_batches: int = 1  # gradient accumulation: rows split into this many sequential passes
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+
+
+# What the drafter's backward pass may keep from its forward (jax.checkpoint policies).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -102,33 +118,60 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: St
         compute_dtype=dtype,
         labels=slot_labels,
     )
-    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
-    weights = (item_mask * w).reshape(-1)
-    loss = jnp.sum(loss_i * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    weights = slot_loss_weights(item_mask, cfg).reshape(-1)
+    loss_sum = jnp.sum(loss_i * weights)
+    loss = loss_sum / jnp.maximum(jnp.sum(weights), 1e-6)
     per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
-    return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
+    return loss, {
+        "streak": streak,
+        "slot_acc": per_slot,
+        "labels": labels.reshape(R, A, B - 1),
+        "loss_sum": loss_sum,
+        "slot_count": jnp.sum(item_mask, axis=(0, 1)),
+    }
 
 
-def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: bool = False):
+def slot_loss_weights(item_mask, cfg: StepConfig):
+    """[R,A,B-1] loss weight of every trained slot (decay/uniform weight x trained mask)."""
+    w = slot_weights(item_mask.shape[-1] + 1, cfg.gamma, cfg.loss_weighting)[1:]
+    return item_mask * w
+
+
+def _anchors(key, batch, cfg: StepConfig):
+    return sample_anchors(
+        key,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        block_size=cfg.block_size,
+        max_anchors=cfg.max_anchors,
+    )
+
+
+def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, embeds):
+    return drafter.forward_train(features, positions, segment_ids, anchors, valid, embeds)
+
+
+def drafter_loss(
+    drafter, target, batch, key, cfg: StepConfig, *, with_labels: bool = False, anchors=None
+):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
-    ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging)."""
+    ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
+    ``anchors``: (anchors, valid) already drawn (micro-batching draws them for the whole batch)."""
     k_anchor, k_noise = jax.random.split(key)
     features, hidden = target_pass(target, batch, cfg)
     if cfg.feature_noise_std > 0:
         features = features + cfg.feature_noise_std * jax.random.normal(
             k_noise, features.shape, features.dtype
         )
-    anchors, valid = sample_anchors(
-        k_anchor,
-        batch["loss_mask"],
-        batch["segment_ids"],
-        block_size=cfg.block_size,
-        max_anchors=cfg.max_anchors,
-    )
+    anchors, valid = anchors if anchors is not None else _anchors(k_anchor, batch, cfg)
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
-    draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
+    policy = REMAT_POLICIES[cfg.remat]
+    forward = _drafter_forward if cfg.remat == "none" else nnx.remat(_drafter_forward, policy=policy)
+    draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
     loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
     metrics = {
+        "loss_sum": extra["loss_sum"],
+        "slot_count": extra["slot_count"],
         "loss": loss,
         "streak": extra["streak"],
         "slot_acc": extra["slot_acc"],
@@ -143,14 +186,67 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: b
 def apply_train_step(drafter, optimizer, target, batch, key, cfg: StepConfig) -> dict:
     """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
     trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same."""
+    if cfg.micro_batches == 1:
 
-    def loss_fn(model):
-        return drafter_loss(model, target, batch, key, cfg)
+        def loss_fn(model):
+            return drafter_loss(model, target, batch, key, cfg)
 
-    (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+    else:
+        grads, metrics = accumulated_grads(drafter, target, batch, key, cfg)
+    metrics.pop("loss_sum"), metrics.pop("slot_count")
     metrics["grad_norm"] = optax.global_norm(grads)
     optimizer.update(drafter, grads)
     return metrics
+
+
+def accumulated_grads(drafter, target, batch, key, cfg: StepConfig):
+    """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
+
+    Anchors are drawn once for the whole batch and the loss is normalised by the whole batch's
+    slot weights, so the update equals the full-batch one (up to float summation order). Only the
+    feature-noise draws (``feature_noise_std > 0``) differ from the full-batch step.
+    """
+    M = cfg.micro_batches
+    R = batch["input_ids"].shape[0]
+    if R % M:
+        raise ValueError(f"micro_batches={M} does not divide the batch's {R} rows")
+    k_anchor, k_rest = jax.random.split(key)
+    anchors, valid = _anchors(k_anchor, batch, cfg)
+    _, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], cfg.block_size)
+    denom = jnp.maximum(jnp.sum(slot_loss_weights(item_mask, cfg)), 1e-6)
+
+    def split(x):
+        return x.reshape(M, R // M, *x.shape[1:])
+
+    xs = ({k: split(v) for k, v in batch.items()}, split(anchors), split(valid), jax.random.split(k_rest, M))
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+
+    def one(grad_acc, x):
+        mb, a, v, k = x
+
+        def loss_fn(p):
+            model = nnx.merge(graphdef, p, rest)
+            _, m = drafter_loss(model, target, mb, k, cfg, anchors=(a, v))
+            return m["loss_sum"] / denom, m
+
+        (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.tree.map(jnp.add, grad_acc, g), m
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, per = jax.lax.scan(one, zeros, xs)
+    n_valid = jnp.sum(split(valid), axis=(1, 2))  # [M]
+    slot_count = per["slot_count"]  # [M, B-1]
+    metrics = {
+        "loss": jnp.sum(per["loss_sum"]) / denom,
+        "streak": jnp.sum(per["streak"] * n_valid) / jnp.maximum(jnp.sum(n_valid), 1),
+        "slot_acc": jnp.sum(per["slot_acc"] * slot_count, axis=0) / jnp.maximum(jnp.sum(slot_count, axis=0), 1),
+        "anchors": jnp.sum(per["anchors"]),
+        "tokens": jnp.sum(per["tokens"]),
+        "loss_sum": jnp.sum(per["loss_sum"]),
+        "slot_count": jnp.sum(slot_count, axis=0),
+    }
+    return grads, metrics
 
 
 def step_config_for_run(train, drafter_config) -> StepConfig:
@@ -165,6 +261,8 @@ def step_config_for_run(train, drafter_config) -> StepConfig:
         loss_chunk=train.loss_chunk,
         compute_dtype=train.compute_dtype,
         feature_noise_std=train.feature_noise_std,
+        remat=getattr(train, "remat", "none"),
+        micro_batches=getattr(train, "micro_batches", 1),
     )
 
 
