@@ -51,9 +51,10 @@ def read_hf_drafter(
 ) -> tuple[DrafterConfig, dict, dict]:
     """An HF drafter dir (z-lab or speculators) -> (DrafterConfig, params as numpy, info).
 
-    ``info``: ``{"format", "dtype", "path"}``, plus ``verifier`` when a speculators config names one. The config is parsed and validated, and passed to
-    ``check`` (e.g. a fit test against the target), before any tensor is read; a corrupt or
-    inconsistent safetensors file is an error naming the file.
+    ``info``: ``{"format", "dtype", "path"}``, plus ``verifier`` when a speculators config names
+    one. The config is parsed and validated, and passed to ``check`` (e.g. a fit test against the
+    target), before any tensor is read; a corrupt or inconsistent safetensors file is an error
+    naming the file.
     """
     path = Path(path)
     raw = _read_config_json(path)
@@ -72,8 +73,7 @@ def read_hf_drafter(
         params = hf_to_params(tensors, config)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    dtype = dtypes.pop() if len(dtypes) == 1 else None
-    dtype = dtype if dtype in EXPORT_DTYPES else None
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= set(EXPORT_DTYPES) else None
     info = {"format": fmt, "dtype": dtype, "path": str(path.resolve())}
     if fmt == "speculators" and verifier_of(raw):
         info["verifier"] = verifier_of(raw)
