@@ -222,16 +222,23 @@ def _train_step_fn(d_graph, t_graph, step_config):
     return step
 
 
-def _cpu_compiler_options(plan_only: bool) -> dict:
-    """CPU compiles stand in for GPU ones, with two adjustments.
+def _cpu_compiler_options(plan_only: bool, *, hoist_invariants: bool = True) -> dict:
+    """CPU compiles stand in for GPU ones, with adjustments.
+
+    Memory analysis comes from buffer assignment, before code generation, so a plan-only compile
+    skips the expensive LLVM passes (same numbers, ~1/3 less compile time).
 
     The CPU backend runs bf16 matmuls in f32, and loop-invariant code motion then hoists an f32
-    copy of every stacked bf16 weight out of the layer loop (a [L, ...] convert: 2x the target's
-    weights in temporaries, which no GPU compile has). Disabling that one pass removes the copy.
-    Memory analysis comes from buffer assignment, before code generation, so a plan-only compile
-    also skips the expensive LLVM passes (same numbers, ~1/3 less compile time).
+    copy of every stacked bf16 weight out of the layer loop (a [L, ...] convert: ~2x the target's
+    weights in temporaries, which no GPU compile has). ``hoist_invariants=False`` disables that
+    pass: used for the target forward, whose temporaries it would otherwise dominate. The train
+    step keeps it, because without it loop-invariant collectives stay inside loops and the
+    collective counts stop resembling a GPU compile's (its temporaries carry the distortion:
+    ~3 GiB per device for Qwen3-8B with replicated weights, see docs/mesh.md).
     """
-    opts = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+    opts = {}
+    if not hoist_invariants:
+        opts["xla_disable_hlo_passes"] = "while-loop-invariant-code-motion"
     if plan_only:
         opts.update(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
     return opts
@@ -273,9 +280,11 @@ def plan_layout(
         batch = abstract_batch(spec, mesh)
         key = jax.eval_shape(lambda: jax.random.key(0))
 
-        opts = _cpu_compiler_options(plan_only=not measure_steps) if _cpu(devices) else None
+        cpu = _cpu(devices)
+        opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
+        fwd_opts = _cpu_compiler_options(plan_only=True, hoist_invariants=False) if cpu else None
         fwd = jax.jit(_target_forward_fn(t_graph, spec.step_config)).lower(t_state, batch)
-        fwd = fwd.compile(compiler_options=opts)
+        fwd = fwd.compile(compiler_options=fwd_opts)
         step_jit = jax.jit(
             _train_step_fn(d_graph, t_graph, spec.step_config),
             donate_argnums=(0,),

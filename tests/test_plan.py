@@ -146,3 +146,30 @@ def test_train_run_refuses_before_loading_the_target(capsys):
                      "data.max_length=64", "data.batch_size=4", "train.max_anchors=4"])  # fmt: skip
     assert rc == 3
     assert "does not fit, nothing loaded" in capsys.readouterr().err
+
+
+def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
+    """XLA's cost_analysis counts a scan body once; hlo_stats counts it as often as it runs."""
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from dflash_jax import hlo_stats
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+
+    def f(x, w):
+        def body(c, wi):
+            return jnp.tanh(c @ wi), None
+
+        return jax.lax.scan(body, x, w)[0].sum()
+
+    x = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data", None)))
+    w = jax.ShapeDtypeStruct((10, 256, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile()
+    stats = hlo_stats.analyze(compiled.as_text())
+    # forward + two backward matmuls per layer, 10 layers, split over 8 devices
+    assert stats.matmul_flops == 3 * 2 * 128 * 256 * 256 * 10 / 8
+    assert stats.unknown_trip_loops == 0
+    count, nbytes = stats.collectives["all-gather"]
+    assert count % 10 == 0 and nbytes > 0  # gathered inside the layer loop: once per layer
