@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hf_fixtures import save_hf_model
+from hf_fixtures import tiny_target
 
 from convert import drafter_to_hf, hf_to_drafter
 from convert.zlab_drafter import WEIGHTS_FILE, flatten, param_shapes, unflatten
@@ -28,10 +28,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    import dflash_jax
-
-    d = save_hf_model("qwen3", tmp_path_factory.mktemp("tiny_qwen3"))
-    return dflash_jax.load_target(d)
+    return tiny_target(tmp_path_factory.mktemp("tiny_qwen3"))[1]
 
 
 def _config(target, **kw):
