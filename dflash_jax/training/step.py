@@ -30,7 +30,7 @@ def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
+        warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
         decay_steps=train_cfg.steps,
         end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
     )
