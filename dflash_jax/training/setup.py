@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from dflash_jax import assets
+from convert.smollm2 import smollm2_dir
 from dflash_jax.config_io import ConfigError
 from dflash_jax.training.run_config import RunConfig, TargetSection
 
@@ -79,12 +79,12 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
 
     t = cfg.target
     if t.path == "tiny":
-        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else assets.smollm2_dir()
+        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
         return make_tiny_target_dir(t, vocab, run_dir / "tiny_target"), tok_dir
-    target_dir = assets.smollm2_dir() if t.path == "smollm2" else Path(t.path)
+    target_dir = smollm2_dir() if t.path == "smollm2" else Path(t.path)
     tok = t.tokenizer
-    tok_dir = assets.smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
+    tok_dir = smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
     return target_dir, tok_dir
 
 
@@ -127,7 +127,8 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer):
 
 def init_params_from(drafter, path: str, target) -> None:
     """Warm start from a z-lab HF drafter dir or one of our checkpoint dirs."""
-    from dflash_jax.drafter.api import get_params, load_drafter, set_params
+    from dflash_jax.drafter.api import get_params, set_params
+    from dflash_jax.loading import load_drafter
 
     src = load_drafter(path, target)
     if (
