@@ -36,8 +36,7 @@ class PlanSpec:
 
     target_config: object  # TargetConfig
     drafter_config: object  # DrafterConfig
-    step_config: object  # training.step.StepConfig
-    train_section: object  # run_config.TrainSection (optimizer hyper-parameters)
+    train_section: object  # run_config.TrainSection: the step's settings and the optimizer's
     target_dtype: str = "bfloat16"
     batch_rows: int = 8  # R: global packed rows per step
     seq_len: int = 4096  # T
@@ -201,22 +200,22 @@ def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _target_forward_fn(t_graph, step_config):
+def _target_forward_fn(t_graph, layer_ids):
     from dflash_jax.training.step import target_pass
 
     def forward(t_state, batch):
-        return target_pass(nnx.merge(t_graph, t_state), batch, step_config)
+        return target_pass(nnx.merge(t_graph, t_state), batch, layer_ids)
 
     return forward
 
 
-def _train_step_fn(d_graph, t_graph, step_config):
+def _train_step_fn(d_graph, t_graph, train_section):
     from dflash_jax.training.step import apply_train_step
 
     def step(state, t_state, batch, key):
         drafter, optimizer = nnx.merge(d_graph, state)
         target = nnx.merge(t_graph, t_state)
-        metrics = apply_train_step(drafter, optimizer, target, batch, key, step_config)
+        metrics = apply_train_step(drafter, optimizer, target, batch, key, train_section)
         return nnx.state((drafter, optimizer)), metrics
 
     return step
@@ -283,10 +282,11 @@ def plan_layout(
         cpu = _cpu(devices)
         opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
         fwd_opts = _cpu_compiler_options(plan_only=True, hoist_invariants=False) if cpu else None
-        fwd = jax.jit(_target_forward_fn(t_graph, spec.step_config)).lower(t_state, batch)
+        layer_ids = tuple(spec.drafter_config.target_layer_ids)
+        fwd = jax.jit(_target_forward_fn(t_graph, layer_ids)).lower(t_state, batch)
         fwd = fwd.compile(compiler_options=fwd_opts)
         step_jit = jax.jit(
-            _train_step_fn(d_graph, t_graph, spec.step_config),
+            _train_step_fn(d_graph, t_graph, spec.train_section),
             donate_argnums=(0,),
             out_shardings=(_shardings(d_state), None),
         )
@@ -404,38 +404,25 @@ def spec_for_run(
     seq_len: int | None = None,
     batch_rows: int | None = None,
     max_anchors=None,
-    **step_overrides,
+    **train_overrides,
 ):
     """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights."""
     import dataclasses
+    from types import SimpleNamespace
 
-    from dflash_jax.drafter.config import DrafterConfig
-    from dflash_jax.training.step import step_config_for_run
+    from dflash_jax.training.setup import build_drafter_config
 
     tc = target_config or target_config_for_run(cfg)
-    d = cfg.drafter
-    overrides = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
-    if d.intermediate_size is not None:
-        overrides["intermediate_size"] = d.intermediate_size
-    dcfg = DrafterConfig.for_target(
-        tc,
-        num_layers=d.num_layers,
+    if cfg.drafter.mask_token_id is None:
         # The mask token only picks an embedding row; any valid row plans the same memory.
-        mask_token_id=d.mask_token_id if d.mask_token_id is not None else tc.vocab_size - 1,
-        block_size=d.block_size,
-        target_layer_ids=d.target_layer_ids,
-        **overrides,
-    )
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=tc.vocab_size - 1))
+    dcfg = build_drafter_config(cfg, SimpleNamespace(config=tc), tokenizer=None)
     train = cfg.train
-    if max_anchors is not None:
-        train = dataclasses.replace(train, max_anchors=max_anchors)
-    step_cfg = step_config_for_run(train, dcfg)
-    if step_overrides:
-        step_cfg = dataclasses.replace(step_cfg, **step_overrides)
+    if max_anchors is not None or train_overrides:
+        train = dataclasses.replace(train, **({"max_anchors": max_anchors} if max_anchors else {}), **train_overrides)
     return PlanSpec(
         target_config=tc,
         drafter_config=dcfg,
-        step_config=step_cfg,
         train_section=train,
         target_dtype=cfg.target.dtype,
         batch_rows=batch_rows or cfg.data.batch_size,

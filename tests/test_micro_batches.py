@@ -15,7 +15,8 @@ from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.model import TargetModel
-from dflash_jax.training.step import StepConfig, apply_train_step
+from dflash_jax.training.run_config import TrainSection
+from dflash_jax.training.step import apply_train_step
 
 B = 4
 
@@ -54,7 +55,7 @@ def _batch(R=4, T=48):
 
 
 @functools.lru_cache(maxsize=4)  # the full-batch reference is shared by the parametrized cases
-def _one_step(cfg: StepConfig):
+def _one_step(cfg: TrainSection):
     target, dc = _setup()
     drafter = init_drafter(dc, target, 3)
     optimizer = nnx.Optimizer(drafter, optax.sgd(1.0), wrt=nnx.Param)  # update == -gradient
@@ -65,17 +66,9 @@ def _one_step(cfg: StepConfig):
 
 @pytest.mark.parametrize("micro_batches,remat", [(2, "none"), (4, "full"), (1, "dots")])
 def test_accumulated_update_equals_full_batch(micro_batches, remat):
-    base = StepConfig(block_size=B, max_anchors=6, target_layer_ids=(0, 2), loss_chunk=16)
-    want_params, want = _one_step(base)
+    want_params, want = _one_step(TrainSection(max_anchors=6, loss_chunk=16))
     got_params, got = _one_step(
-        StepConfig(
-            block_size=B,
-            max_anchors=6,
-            target_layer_ids=(0, 2),
-            loss_chunk=16,
-            micro_batches=micro_batches,
-            remat=remat,
-        )
+        TrainSection(max_anchors=6, loss_chunk=16, micro_batches=micro_batches, remat=remat)
     )
     init_params = get_params(init_drafter(_setup()[1], None, 3))
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), want_params, init_params))
@@ -87,6 +80,6 @@ def test_accumulated_update_equals_full_batch(micro_batches, remat):
 
 
 def test_micro_batches_must_divide_rows():
-    cfg = StepConfig(block_size=B, max_anchors=6, target_layer_ids=(0, 2), loss_chunk=16, micro_batches=3)
-    with pytest.raises(ValueError, match="micro_batches=3 does not divide the batch's 4 rows"):
+    cfg = TrainSection(max_anchors=6, loss_chunk=16, micro_batches=3)
+    with pytest.raises(ValueError, match="train.micro_batches=3 does not divide the batch's 4 rows"):
         _one_step(cfg)

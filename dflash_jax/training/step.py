@@ -3,43 +3,29 @@
 Everything here is traced under one ``jax.jit``; the batch walks data -> target -> drafter -> loss
 -> optimizer without coming back. Labels are the target's own final logits (invariant 2); the
 drafter's input features may be noised, the hidden state that makes the labels never is.
+
+The step reads its settings straight from the run config's ``train`` section
+(:class:`~dflash_jax.training.run_config.TrainSection`); block size and target taps come from the
+drafter's own config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dflash_jax.dtypes import to_dtype
 from dflash_jax.training.anchors import block_positions, sample_anchors
 from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights, target_argmax
 
+if TYPE_CHECKING:
+    from dflash_jax.training.run_config import TrainSection
 
-@dataclass(frozen=True)
-class StepConfig:
-    block_size: int
-    max_anchors: int
-    target_layer_ids: tuple[int, ...]
-    loss: str = "ce"
-    loss_weighting: str = "decay"
-    gamma: float | None = None
-    loss_chunk: int = 1024
-    compute_dtype: str = "float32"
-    feature_noise_std: float = 0.0
-    remat: str = "none"  # drafter forward: none | full (keep only inputs) | dots (keep matmul outputs)
-    micro_batches: int = 1  # gradient accumulation: rows split into this many sequential passes
-
-    def __post_init__(self):
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
-
-
-# What the drafter's backward pass may keep from its forward (jax.checkpoint policies).
+# What the drafter's backward pass may keep from its forward (``train.remat``).
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -47,11 +33,11 @@ REMAT_POLICIES = {
 }
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
+        warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
         decay_steps=train_cfg.steps,
         end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
     )
@@ -61,13 +47,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     )
 
 
-def target_pass(target, batch, cfg: StepConfig):
-    """Frozen target: features of the tapped layers and the final normed hidden state."""
+def target_pass(target, batch, layer_ids: tuple[int, ...]):
+    """Frozen target: features of the tapped layers ``layer_ids`` and the final normed hidden state."""
     out = target(
         batch["input_ids"],
         batch["positions"],
         segment_ids=batch["segment_ids"],
-        layer_ids=cfg.target_layer_ids,
+        layer_ids=tuple(layer_ids),
         return_logits=False,
     )
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
@@ -93,14 +79,14 @@ def gather_positions(x, pos):
     return jnp.take_along_axis(x, idx, axis=1).reshape(*pos.shape, *x.shape[2:])
 
 
-def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: StepConfig):
+def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: TrainSection):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
     """
     R, A, B, D = draft.shape
     label_pos, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
-    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    dtype = to_dtype(cfg.compute_dtype)
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
         per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
@@ -131,18 +117,18 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: St
     }
 
 
-def slot_loss_weights(item_mask, cfg: StepConfig):
+def slot_loss_weights(item_mask, cfg: TrainSection):
     """[R,A,B-1] loss weight of every trained slot (decay/uniform weight x trained mask)."""
     w = slot_weights(item_mask.shape[-1] + 1, cfg.gamma, cfg.loss_weighting)[1:]
     return item_mask * w
 
 
-def _anchors(key, batch, cfg: StepConfig):
+def _anchors(key, batch, block_size: int, cfg: TrainSection):
     return sample_anchors(
         key,
         batch["loss_mask"],
         batch["segment_ids"],
-        block_size=cfg.block_size,
+        block_size=block_size,
         max_anchors=cfg.max_anchors,
     )
 
@@ -152,21 +138,25 @@ def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, 
 
 
 def drafter_loss(
-    drafter, target, batch, key, cfg: StepConfig, *, with_labels: bool = False, anchors=None
+    drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False, anchors=None
 ):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
     ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
     ``anchors``: (anchors, valid) already drawn (micro-batching draws them for the whole batch)."""
     k_anchor, k_noise = jax.random.split(key)
-    features, hidden = target_pass(target, batch, cfg)
+    features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
     if cfg.feature_noise_std > 0:
         features = features + cfg.feature_noise_std * jax.random.normal(
             k_noise, features.shape, features.dtype
         )
-    anchors, valid = anchors if anchors is not None else _anchors(k_anchor, batch, cfg)
+    if anchors is None:
+        anchors = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
+    anchors, valid = anchors
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
-    policy = REMAT_POLICIES[cfg.remat]
-    forward = _drafter_forward if cfg.remat == "none" else nnx.remat(_drafter_forward, policy=policy)
+    remat = getattr(cfg, "remat", "none")
+    forward = (
+        _drafter_forward if remat == "none" else nnx.remat(_drafter_forward, policy=REMAT_POLICIES[remat])
+    )
     draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
     loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
     metrics = {
@@ -183,10 +173,10 @@ def drafter_loss(
     return loss, metrics
 
 
-def apply_train_step(drafter, optimizer, target, batch, key, cfg: StepConfig) -> dict:
+def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) -> dict:
     """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
     trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same."""
-    if cfg.micro_batches == 1:
+    if getattr(cfg, "micro_batches", 1) == 1:
 
         def loss_fn(model):
             return drafter_loss(model, target, batch, key, cfg)
@@ -200,7 +190,7 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: StepConfig) ->
     return metrics
 
 
-def accumulated_grads(drafter, target, batch, key, cfg: StepConfig):
+def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
     """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
 
     Anchors are drawn once for the whole batch and the loss is normalised by the whole batch's
@@ -210,10 +200,10 @@ def accumulated_grads(drafter, target, batch, key, cfg: StepConfig):
     M = cfg.micro_batches
     R = batch["input_ids"].shape[0]
     if R % M:
-        raise ValueError(f"micro_batches={M} does not divide the batch's {R} rows")
+        raise ValueError(f"train.micro_batches={M} does not divide the batch's {R} rows")
     k_anchor, k_rest = jax.random.split(key)
-    anchors, valid = _anchors(k_anchor, batch, cfg)
-    _, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], cfg.block_size)
+    anchors, valid = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
+    _, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], drafter.config.block_size)
     denom = jnp.maximum(jnp.sum(slot_loss_weights(item_mask, cfg)), 1e-6)
 
     def split(x):
@@ -233,14 +223,14 @@ def accumulated_grads(drafter, target, batch, key, cfg: StepConfig):
         (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return jax.tree.map(jnp.add, grad_acc, g), m
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, per = jax.lax.scan(one, zeros, xs)
+    grads, per = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), xs)
     n_valid = jnp.sum(split(valid), axis=(1, 2))  # [M]
     slot_count = per["slot_count"]  # [M, B-1]
     metrics = {
         "loss": jnp.sum(per["loss_sum"]) / denom,
         "streak": jnp.sum(per["streak"] * n_valid) / jnp.maximum(jnp.sum(n_valid), 1),
-        "slot_acc": jnp.sum(per["slot_acc"] * slot_count, axis=0) / jnp.maximum(jnp.sum(slot_count, axis=0), 1),
+        "slot_acc": jnp.sum(per["slot_acc"] * slot_count, axis=0)
+        / jnp.maximum(jnp.sum(slot_count, axis=0), 1),
         "anchors": jnp.sum(per["anchors"]),
         "tokens": jnp.sum(per["tokens"]),
         "loss_sum": jnp.sum(per["loss_sum"]),
@@ -249,24 +239,7 @@ def accumulated_grads(drafter, target, batch, key, cfg: StepConfig):
     return grads, metrics
 
 
-def step_config_for_run(train, drafter_config) -> StepConfig:
-    """StepConfig from a run config's ``train`` section and the drafter's config."""
-    return StepConfig(
-        block_size=drafter_config.block_size,
-        max_anchors=train.max_anchors,
-        target_layer_ids=tuple(drafter_config.target_layer_ids),
-        loss=train.loss,
-        loss_weighting=train.loss_weighting,
-        gamma=train.gamma,
-        loss_chunk=train.loss_chunk,
-        compute_dtype=train.compute_dtype,
-        feature_noise_std=train.feature_noise_std,
-        remat=getattr(train, "remat", "none"),
-        micro_batches=getattr(train, "micro_batches", 1),
-    )
-
-
-def make_train_step(cfg: StepConfig):
+def make_train_step(cfg: TrainSection):
     @nnx.jit(donate_argnums=(0, 1))
     def train_step(drafter, optimizer, target, batch, key):
         return apply_train_step(drafter, optimizer, target, batch, key, cfg)
@@ -274,7 +247,7 @@ def make_train_step(cfg: StepConfig):
     return train_step
 
 
-def make_eval_step(cfg: StepConfig):
+def make_eval_step(cfg: TrainSection):
     @nnx.jit
     def eval_step(drafter, target, batch, key):
         return drafter_loss(drafter, target, batch, key, cfg)[1]
