@@ -18,7 +18,7 @@ from dflash_jax.layers import RopeConfig
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-ATTENTION_IMPLS = ("reference", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Keys of a z-lab config's ``dflash_config`` sub-dict that we understand. Anything else there is a
@@ -77,8 +77,9 @@ class DrafterConfig:
     except where ``causal_in_block`` says otherwise: ``None`` follows z-lab's rule (sliding layers
     causal, full layers bidirectional), ``True``/``False`` force every layer (z-lab's ``is_causal``).
 
-    ``attention_impl``: ``reference`` (dense, for tests), ``xla`` (anchor-chunked, memory-bounded),
-    ``pallas`` (kernel from ``pallas_kernels``). ``anchor_chunk``: anchors per chunk in ``xla``.
+    ``attention_impl``: ``auto`` (``pallas`` on GPU, ``xla`` elsewhere), ``reference`` (dense, for
+    tests), ``xla`` (anchor-chunked, memory-bounded), ``pallas`` (the kernel in ``pallas_kernels``;
+    interpret mode off GPU). ``anchor_chunk``: anchors per chunk in ``xla``.
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
     """
@@ -103,7 +104,7 @@ class DrafterConfig:
     embedding_scale: float = 1.0
     logit_scale: float = 1.0
     logit_softcap: float | None = None
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
     anchor_chunk: int = 16
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
