@@ -107,24 +107,3 @@ def test_bad_shapes_are_named():
         context_attention(q, k, v, *mask, impl="pallas", tiles=Tiles(block_k=24))
     assert jax.default_backend() == "cpu"
 
-
-def test_pallas_kernels_import_only_jax():
-    """pallas_kernels needs nothing but jax, numpy, the standard library and itself."""
-    import ast
-    import sys
-    from pathlib import Path
-
-    import pallas_kernels
-
-    allowed = {"jax", "numpy", "pallas_kernels", "__future__"}
-    root = Path(pallas_kernels.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module]
-            for name in names:
-                top = name.split(".")[0]
-                assert top in allowed or top in sys.stdlib_module_names, f"{path.name} imports {name}"
