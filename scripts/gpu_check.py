@@ -61,7 +61,9 @@ def check_correctness(shape) -> dict:
         return o, jnp.where(lse > MASKED / 2, lse, 0.0), *g
 
     got, want = run("pallas"), run("reference")
-    errs = {name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True)}
+    errs = {
+        name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True)
+    }
     tol = 2e-2 if dtype == "bfloat16" else 1e-4
     return {"shape": dict(B=B, T=T, A=A, S=S, N=N, K=K, H=H, dtype=dtype), "rel_err": errs,
             "tolerance": tol, "ok": all(e <= tol for e in errs.values())}  # fmt: skip
@@ -150,7 +152,11 @@ def main(argv=None) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")  # the fp32 reference without TF32
     args.outdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cpu_smoke": args.cpu_smoke}
+    report = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "cpu_smoke": args.cpu_smoke,
+    }
 
     def save():
         report["seconds"] = time.perf_counter() - t0

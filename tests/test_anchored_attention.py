@@ -83,7 +83,9 @@ def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
     with caplog.at_level(logging.INFO, logger=api.log.name):
         assert api.resolve_impl("auto") == "xla"
         assert api.resolve_impl("auto") == "xla"
-    assert [r.getMessage() for r in caplog.records].count("attention_impl=auto: using 'xla' on backend 'cpu'") == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "attention_impl=auto: using 'xla' on backend 'cpu'"
+    ) == 1
     assert api.resolve_impl("pallas") == "pallas"
     with pytest.raises(ValueError, match="flash"):
         api.resolve_impl("flash")
@@ -106,4 +108,3 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
         context_attention(q, k, v, *mask, impl="pallas", tiles=Tiles(block_k=24))
     assert jax.default_backend() == "cpu"
-

@@ -127,7 +127,7 @@ def _fwd_kernel(
     bq, H = q.shape
 
     def step(j, carry, masked):
-        acc, m, l = carry
+        acc, m, denom = carry
         start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(start, block_k), :]
         v = v_ref[pl.ds(start, block_k), :]
@@ -141,17 +141,21 @@ def _fwd_kernel(
         p = jnp.exp(s - m_new[:, None])
         if masked:  # a row with nothing visible yet has m_new == MASKED and exp(0) == 1 here
             p = jnp.where(vis, p, 0.0)
-        l = l * alpha + p.sum(axis=1)
+        denom = denom * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return acc, m_new, denom
 
-    carry = (jnp.zeros((bq, H), jnp.float32), jnp.full((bq,), MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    carry = (
+        jnp.zeros((bq, H), jnp.float32),
+        jnp.full((bq,), MASKED, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     lo, f0, f1, hi = lo_ref[0], f0_ref[0], f1_ref[0], hi_ref[0]
     carry = jax.lax.fori_loop(lo, f0, functools.partial(step, masked=True), carry)
     carry = jax.lax.fori_loop(f0, f1, functools.partial(step, masked=False), carry)
-    acc, m, l = jax.lax.fori_loop(f1, hi, functools.partial(step, masked=True), carry)
-    empty = l == 0.0
-    safe = jnp.where(empty, 1.0, l)
+    acc, m, denom = jax.lax.fori_loop(f1, hi, functools.partial(step, masked=True), carry)
+    empty = denom == 0.0
+    safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, MASKED, m + jnp.log(safe))
 
@@ -364,7 +368,9 @@ def prepare(
         "c_seg": _pad_axis(ctx_segment_ids.astype(i32), 1, Tp),
         "c_pos": _pad_axis(ctx_positions.astype(i32), 1, Tp),
     }
-    tabs = functools.partial(query_tiles, ctx_segment_ids, anchors, anchor_segment_ids, slots=S, window=window)
+    tabs = functools.partial(
+        query_tiles, ctx_segment_ids, anchors, anchor_segment_ids, slots=S, window=window
+    )
     meta["fwd_tables"] = tabs(block_q=tiles.block_q, block_k=tiles.block_k, n_q_tiles=Qp // tiles.block_q)
     bwd = tabs(block_q=tiles.block_q_bwd, block_k=tiles.block_k_bwd, n_q_tiles=Qp // tiles.block_q_bwd)
     meta["bwd_tables"] = bwd
@@ -389,11 +395,16 @@ def context_attention_pallas(
 ):
     """q [B,A,S,N,H], k/v [B,T,K,H] -> (out f32 [B,A,S,N,H], lse f32 [B,A,S,N]), differentiable."""
     B, A, S, N, H = q.shape
-    T = k.shape[1]
     tiles = Tiles.default(H) if tiles is None else tiles
     check_tiles(tiles, H, jnp.dtype(q.dtype).itemsize)
     meta, Qp, Tp = prepare(
-        ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions, tiles=tiles, window=window
+        ctx_segment_ids,
+        ctx_positions,
+        anchors,
+        anchor_segment_ids,
+        slot_positions,
+        tiles=tiles,
+        window=window,
     )
     st = _Static(scale=float(scale), window=window, slots=S, tiles=tiles, interpret=interpret)
     q_rows = _pad_axis(q.reshape(B, A * S, N, H), 1, Qp)

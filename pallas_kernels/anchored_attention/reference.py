@@ -5,7 +5,6 @@ Obviously correct and memory ``[B, A*S, N, T]``: for tests and small debugging r
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.anchored_attention.common import group, masked_softmax, ungroup
