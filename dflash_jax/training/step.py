@@ -140,7 +140,27 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: b
     return loss, metrics
 
 
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _pure(module, var_type):
+    return nnx.to_pure_dict(nnx.state(module, var_type))
+
+
+def _assign(module, var_type, pure) -> None:
+    state = nnx.state(module, var_type)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(module, state)
+
+
 def make_train_step(cfg: StepConfig):
+    """The jitted step. A step whose loss, gradients or updated parameters are not all finite
+    applies no update at all (parameters and optimizer state, step counter included, stay as they
+    were, like optax's ``apply_if_finite``) and reports ``skipped = 1``; the trainer counts these
+    and stops after a configured number in a row, so parameters are finite by construction."""
+
     @nnx.jit(donate_argnums=(0, 1))
     def train_step(drafter, optimizer, target, batch, key):
         def loss_fn(model):
@@ -148,7 +168,18 @@ def make_train_step(cfg: StepConfig):
 
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
         metrics["grad_norm"] = optax.global_norm(grads)
+        old_params = _pure(drafter, nnx.Param)
+        old_opt = _pure(optimizer, nnx.optimizer.OptState)
         optimizer.update(drafter, grads)
+        new_params = _pure(drafter, nnx.Param)
+        ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(new_params)
+
+        def keep(new, old):
+            return jnp.where(ok, new, old)
+
+        _assign(drafter, nnx.Param, jax.tree.map(keep, new_params, old_params))
+        _assign(optimizer, nnx.optimizer.OptState, jax.tree.map(keep, _pure(optimizer, nnx.optimizer.OptState), old_opt))
+        metrics["skipped"] = 1 - ok.astype(jnp.int32)
         return metrics
 
     return train_step
