@@ -22,7 +22,6 @@ import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
-from dflash_jax import assets
 from dflash_jax.data import pipeline, sources
 from dflash_jax.data.pipeline import DataConfig, make_train_iterator
 
@@ -39,7 +38,9 @@ def _chat(i: int, words: int = 12) -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(assets.smollm2_dir())
+    from convert.smollm2 import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +106,13 @@ def _leaves(tree):
 def test_nonfinite_step_applies_no_update(tiny_models):
     """A step whose loss/gradients are NaN leaves params and optimizer state (count included)
     exactly as they were and reports skipped=1; a finite step then updates as usual."""
-    from dflash_jax.training.step import StepConfig, make_train_step
+    from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.step import make_train_step
 
-    target, dcfg, drafter = tiny_models
+    target, _, drafter = tiny_models
     drafter = nnx.clone(drafter)
     optimizer = nnx.Optimizer(drafter, optax_adam(), wrt=nnx.Param)
-    step = make_train_step(StepConfig(block_size=4, max_anchors=4, target_layer_ids=tuple(dcfg.target_layer_ids)))
+    step = make_train_step(TrainSection(max_anchors=4, loss_chunk=64))
     poisoned = nnx.clone(target)
     poisoned.embed_tokens[...] = poisoned.embed_tokens[...] * jnp.nan  # NaN lm_head -> NaN loss
     before_p = _leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
@@ -186,16 +188,21 @@ def test_skip_fraction_above_the_limit_fails_naming_the_reasons(tmp_path, chats)
 
 
 def _tiny_args(run_dir, *overrides) -> list[str]:
-    """The tiny config, shrunk to seconds per run: few short records, short rows, no evaluation."""
+    """The tiny config, shrunk to seconds per run: few short records, short rows, no evaluation.
+    Flags among ``overrides`` (``--resume``) go first, as argparse wants them."""
+    flags = [o for o in overrides if o.startswith("--")]
+    overrides = tuple(o for o in overrides if not o.startswith("--"))
     return [
         "--config",
         "tiny",
         "--quiet",
+        *flags,
         f"output_dir={run_dir}",
         "data.max_records=40",
         "data.heldout_count=0",
         "data.max_length=64",
         "data.batch_size=2",
+        "mesh.num_devices=1",
         "train.max_anchors=8",
         "train.log_every=1",
         "train.warmup_steps=1",
