@@ -321,7 +321,9 @@ def write_checkpoint(
         raise FileExistsError(f"{root / str(step)} already exists; choose another --out")
     bad = nonfinite_params(params)
     if bad:
-        raise FloatingPointError(f"refusing to write {root / str(step)}: parameters not finite: {', '.join(bad[:5])}")
+        raise FloatingPointError(
+            f"refusing to write {root / str(step)}: parameters not finite: {', '.join(bad[:5])}"
+        )
     run_config = {DRAFTER_CONFIG_KEY: config.to_dict(), **(extra or {})}
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=True))
     try:

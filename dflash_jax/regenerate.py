@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from dflash_jax.cli import cli
 from dflash_jax.data import sources
 from dflash_jax.generate import SamplingConfig, generate
 
@@ -41,11 +42,12 @@ class RegenReport:
 
 
 def encode_prompt(tokenizer, messages, enable_thinking=None) -> list[int]:
+    """Chat messages -> prompt token ids, ending with the generation prompt of the chat template."""
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
-    return list(out)
+    return [int(t) for t in out]
 
 
 def eos_ids(tokenizer, target_config) -> tuple[int, ...]:
@@ -123,6 +125,7 @@ def read_records(source: str, limit: int | None, on_bad_record: str = "skip") ->
         src.close()
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HF model directory of the target (or 'smollm2')")

@@ -126,7 +126,10 @@ def test_nonfinite_step_applies_no_update(tiny_models):
     m = step(drafter, optimizer, target, _batch(), jax.random.key(0))
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
     assert int(optimizer.step[...]) == 1
-    changed = [not np.array_equal(a, b) for a, b in zip(before_p, _leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param))), strict=True)]
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(before_p, _leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param))), strict=True)
+    ]
     assert any(changed)
 
 
@@ -178,7 +181,10 @@ def test_skip_fraction_above_the_limit_fails_naming_the_reasons(tmp_path, chats)
     path = tmp_path / "latin1.jsonl"
     path.write_bytes("\n".join(good + bad).encode("latin-1") + b"\n")
     cfg = _data_cfg(str(path))
-    with pytest.raises(ValueError, match=rf"skipped 7 of 10 .*data.max_skip_fraction=0.1: malformed_json: 7 \(first at {path}:4\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"skipped 7 of 10 .*data.max_skip_fraction=0.1: malformed_json: 7 \(first at {path}:4\)",
+    ):
         pipeline.load_index(cfg)
     index, report = pipeline.load_index(_data_cfg(str(path), max_skip_fraction=0.8))
     assert len(index) == 3 and report.num_skipped == 7
@@ -253,7 +259,9 @@ def test_diverging_run_stops_with_a_finite_checkpoint_that_resumes(tmp_path, cap
     argv = _tiny_args(run_dir, "train.learning_rate=1e6", "train.steps=12", "train.max_nonfinite_steps=2")
     rc, errors = _main(argv, capsys)
     assert rc == 2 and len(errors) == 1, errors
-    assert re.search(r"error: .*not finite.*2 steps in a row.*stopped at step \d+.*kept checkpoint: step 0", errors[0])
+    assert re.search(
+        r"error: .*not finite.*2 steps in a row.*stopped at step \d+.*kept checkpoint: step 0", errors[0]
+    )
     rows = _train_rows(run_dir)
     assert rows[-1]["skipped"] == 1 and rows[-2]["skipped"] == 1
     assert _finite_params(run_dir) == 0
@@ -367,7 +375,9 @@ def test_resume_refuses_shape_or_data_changes_naming_the_keys(tiny_run, capsys):
         ("output_dir=/proc/dflash-test-run", "/proc/dflash-test-run"),
     ],
 )
-def test_bad_input_is_one_error_line_and_exit_2_before_any_model(override, named, tmp_path, capsys, monkeypatch):
+def test_bad_input_is_one_error_line_and_exit_2_before_any_model(
+    override, named, tmp_path, capsys, monkeypatch
+):
     """Config, data and I/O errors: one ``error:`` line naming the thing, exit 2, and no model is
     built first (the target loader is never called)."""
     import dflash_jax.training.setup as setup
@@ -399,7 +409,9 @@ def test_truncated_target_weights_are_one_error_line(tmp_path, capsys):
     target = make_tiny_target_dir(section, 49152, tmp_path / "t")
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    rc, errors = _main(_tiny_args(tmp_path / "run", f"target.path={target}", "target.tokenizer=smollm2"), capsys)
+    rc, errors = _main(
+        _tiny_args(tmp_path / "run", f"target.path={target}", "target.tokenizer=smollm2"), capsys
+    )
     assert rc == 2 and len(errors) == 1 and "model.safetensors" in errors[0], errors
 
 
