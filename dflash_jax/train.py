@@ -154,6 +154,7 @@ def run(
                 save=save,
                 logger=logger,
                 start_step=start_step,
+                resumed=resume,
                 stop_at_step=stop_at_step,
                 quiet=quiet,
                 max_wait_s=data_cfg.max_wait_s,

@@ -125,12 +125,13 @@ def train_loop(
     save,
     logger,
     start_step: int = 0,
+    resumed: bool = False,
     stop_at_step: int | None = None,
     quiet: bool = False,
     max_wait_s: float | None = None,
     check_saves=None,
 ) -> LoopResult:
-    """Run ``train_step`` from ``start_step``; ``put`` makes a host batch global, ``save(step,
+    """Run ``train_step`` from ``start_step`` (``resumed``: restored from its checkpoint); ``put`` makes a host batch global, ``save(step,
     force, data_state)`` writes a checkpoint, ``logger.log(step, metrics)`` records train metrics,
     ``check_saves()`` (after every step) raises if an asynchronous save failed; ``max_wait_s``
     bounds the wait for one batch."""
@@ -139,7 +140,7 @@ def train_loop(
     base_key = jax.random.key(train.seed)
     waiter = BatchWaiter(data_iter, max_wait_s=max_wait_s)
     step, t_train = start_step, time.perf_counter()
-    last_saved = start_step if start_step > 0 else None  # a resumed run's checkpoint exists
+    last_saved = start_step if resumed else None  # a resumed run's checkpoint exists
     if last_saved is None:  # the fallback a diverging run keeps: finite by construction
         save(0, True, waiter.get_state())
         last_saved = 0
