@@ -31,13 +31,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
 from convert.logs import add_verbose_flag, configure_logging
 from convert.speculators import write_speculators_drafter
 from convert.zlab_drafter import EXPORT_DTYPES, write_zlab_drafter
-from dflash_jax.checkpoint import CHECKPOINTS_SUBDIR, IMPORT_KEY, read_checkpoint, resolve_checkpoint
+from dflash_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    IMPORT_KEY,
+    nonfinite_params,
+    read_checkpoint,
+    resolve_checkpoint,
+)
+from dflash_jax.cli import cli
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,9 @@ def recorded_verifier(run_config: dict, checkpoint: str | Path, step: int | None
     if not path:
         return None
     if path == "tiny":
+        recorded = run_config.get("target_dir")  # the shape-keyed tiny target the run used
+        if recorded and Path(recorded).is_dir():
+            return str(recorded)
         root, _ = resolve_checkpoint(checkpoint, step)
         run_dir = root.parent if root.name == CHECKPOINTS_SUBDIR else root
         tiny = run_dir / TINY_TARGET_SUBDIR
@@ -76,29 +88,54 @@ def export(
     fmt: str = "zlab",
     dtype: str = "auto",
     verifier: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the drafter of ``checkpoint`` (see module doc) to ``out`` in format ``fmt``."""
+    """Write the drafter of ``checkpoint`` (see module doc) to ``out`` in format ``fmt``.
+
+    An existing non-empty ``out`` is refused unless ``overwrite``; parameters that are not all
+    finite are refused. The export is written beside ``out`` and moved into place at the end, so
+    a failure never leaves a half-written or mixed directory."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"--out {out} exists and is not empty: pass --overwrite to replace it")
     config, params, run_config = read_checkpoint(checkpoint, step)
+    bad = nonfinite_params(params)
+    if bad:
+        raise FloatingPointError(
+            f"checkpoint {checkpoint}: parameters not finite ({', '.join(bad[:5])}): refusing to export"
+        )
     if dtype == "auto":
         dtype = (run_config.get(IMPORT_KEY) or {}).get("dtype") or "bfloat16"
-    if fmt == "zlab":
-        path = write_zlab_drafter(out, config, params, dtype=dtype)
-    else:
+    if fmt == "speculators":
         verifier = verifier if verifier is not None else recorded_verifier(run_config, checkpoint, step)
         if verifier is None:
             raise ValueError(
                 f"checkpoint {checkpoint} records no target to serve as the speculators verifier: pass "
                 "--verifier TARGET (the target model's HF name or directory)"
             )
-        path = write_speculators_drafter(out, config, params, dtype=dtype, verifier=verifier)
-    log.info("exported %s drafter (%s) to %s", fmt, dtype, path)
-    return path
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        if fmt == "zlab":
+            write_zlab_drafter(staging, config, params, dtype=dtype)
+        else:
+            write_speculators_drafter(staging, config, params, dtype=dtype, verifier=verifier)
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("exported %s drafter (%s) to %s", fmt, dtype, out)
+    return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m convert.drafter_to_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or one <step> dir")
@@ -111,21 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="speculators format: the target's name or path to record (default: the checkpoint's target)",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
     add_verbose_flag(p)
     args = p.parse_args(argv)
     configure_logging(args.verbose)
-    try:
-        path = export(
-            args.checkpoint,
-            args.out,
-            step=args.step,
-            fmt=args.format,
-            dtype=args.dtype,
-            verifier=args.verifier,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    path = export(
+        args.checkpoint,
+        args.out,
+        step=args.step,
+        fmt=args.format,
+        dtype=args.dtype,
+        verifier=args.verifier,
+        overwrite=args.overwrite,
+    )
     print(path)
     return 0
 

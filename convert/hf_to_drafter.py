@@ -31,6 +31,7 @@ from convert.safetensors_io import CheckpointReader
 from convert.speculators import MARKER_KEY, speculators_to_zlab, verifier_of
 from convert.zlab_drafter import CONFIG_FILE, EXPORT_DTYPES, hf_to_params
 from dflash_jax.checkpoint import IMPORT_KEY, is_checkpoint_dir, read_checkpoint, write_checkpoint
+from dflash_jax.cli import cli
 from dflash_jax.drafter.config import DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def read_drafter(
     return config, params
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m convert.hf_to_drafter", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF drafter directory (z-lab or speculators layout)")
@@ -117,11 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     add_verbose_flag(p)
     args = p.parse_args(argv)
     configure_logging(args.verbose)
-    try:
-        path = import_hf(args.hf, args.out, num_target_layers=args.num_target_layers)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    path = import_hf(args.hf, args.out, num_target_layers=args.num_target_layers)
     print(path)
     return 0
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -54,19 +55,56 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                create=True,
+                # Step directories are made in the caller's thread, so an unwritable or vanished
+                # directory fails that save at once (asynchronously it surfaced two saves later,
+                # after minutes waiting on an orbax barrier).
+                async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
             ),
         )
+        self._pending: int | None = None  # the step of the save that may still be writing
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, drafter, optimizer, data_state: dict | None, config: dict, *, force=False):
-        state = {
-            "params": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
-            "opt": nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState)),
-        }
-        self.manager.save(step, args=_save_args(state, step, data_state, config), force=force)
+        """Start an asynchronous save of ``step``. Raises ``FloatingPointError`` (nothing written)
+        when a parameter is not finite, and ``OSError`` naming the step when this save, or the
+        previous one still writing, failed."""
+        params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+        bad = nonfinite_params(params)
+        if bad:
+            raise FloatingPointError(
+                f"refusing to checkpoint step {step}: parameters not finite: {', '.join(bad[:5])}"
+            )
+        state = {"params": params, "opt": nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState))}
+        self.check()
+        try:
+            self.manager.save(step, args=_save_args(state, step, data_state, config), force=force)
+        except Exception as e:  # noqa: BLE001 - orbax raises many types; name the step and dir
+            raise _save_error(step, self.directory, e) from e
+        self._pending = step
+
+    def check(self) -> None:
+        """Raise ``OSError`` naming the step if the last asynchronous save failed (cheap: the
+        trainer calls it after every step, so a failed save stops the run within a step)."""
+        if self._pending is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            step, self._pending = self._pending, None
+            raise _save_error(step, self.directory, e) from e
+
+    def wait(self) -> None:
+        """Block until the last save is written; raise ``OSError`` naming its step if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise _save_error(self._pending, self.directory, e) from e
+        self.check()
 
     def restore(self, drafter, optimizer, step: int | None = None, mesh=None) -> dict:
         """Restore a run (params and optimizer state) in place; returns the meta dict. To read
@@ -92,8 +130,33 @@ class Checkpointer:
         return dict(restored[META_ITEM])
 
     def close(self):
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def nonfinite_params(params: dict) -> list[str]:
+    """Dotted names of the parameters holding a NaN or an infinity (empty when all are finite)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [
+        ".".join(str(getattr(k, "key", k)) for k in path)
+        for path, x in flat
+        if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(x)))
+    ]
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (the message names the step and the directory)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _save_error(step, directory: Path, e: Exception) -> CheckpointSaveError:
+    if isinstance(e, CheckpointSaveError):
+        return e
+    return CheckpointSaveError(f"checkpoint of step {step} in {directory} failed: {_short(e)}")
 
 
 def _abstract(state, mesh=None):
@@ -256,6 +319,11 @@ def write_checkpoint(
     root = (Path(out) / CHECKPOINTS_SUBDIR).resolve()
     if (root / str(step)).exists():
         raise FileExistsError(f"{root / str(step)} already exists; choose another --out")
+    bad = nonfinite_params(params)
+    if bad:
+        raise FloatingPointError(
+            f"refusing to write {root / str(step)}: parameters not finite: {', '.join(bad[:5])}"
+        )
     run_config = {DRAFTER_CONFIG_KEY: config.to_dict(), **(extra or {})}
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=True))
     try:

@@ -79,6 +79,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 6e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -44,6 +44,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_jax.cli import cli
 from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES
 
 log = logging.getLogger(__name__)
@@ -361,6 +362,7 @@ def _stop_ids(args, target_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target HF model directory")

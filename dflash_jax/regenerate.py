@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from dflash_jax.cli import cli
 from dflash_jax.data import sources
 from dflash_jax.generate import SamplingConfig, generate
 
@@ -124,6 +125,7 @@ def read_records(source: str, limit: int | None, on_bad_record: str = "skip") ->
         src.close()
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HF model directory of the target (or 'smollm2')")

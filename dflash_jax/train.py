@@ -13,16 +13,16 @@ replies), ``step`` (the jitted step), ``loop`` (steps, stop flags, checkpoints),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
-from pathlib import Path
 
 import jax
 from flax import nnx
 
-from dflash_jax.config_io import ConfigError
+from dflash_jax.cli import cli
 from dflash_jax.sharding import BATCH_AXES, logical_sharding, make_mesh, shard_module
 from dflash_jax.training.run_config import RunConfig, load_run_config
 
@@ -50,6 +50,7 @@ def run(
     cfg: RunConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     init_from: str | None = None,
     quiet: bool = False,
     stop_at_step: int | None = None,
@@ -59,23 +60,31 @@ def run(
 
     ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``check_plan``).
     ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
-    a later ``resume=True`` run continues the same schedule.
+    a later ``resume=True`` run continues the same schedule. Before any model is built the data
+    sources are found, the output dir is checked (one run per dir: ``overwrite`` replaces an old
+    run, ``resume`` must not change what shapes the model or the data) and made sure writable.
     """
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax.checkpoint import Checkpointer
+    from dflash_jax.checkpoint import Checkpointer, read_checkpoint_config
     from dflash_jax.data.pipeline import make_train_iterator, to_global_batch
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.training import evaluation, setup
+    from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, plot_metrics
     from dflash_jax.training.regen_cache import data_configs, regenerated_data
     from dflash_jax.training.step import make_eval_step, make_optimizer, make_train_step
 
     t_start = time.perf_counter()
-    run_dir = Path(cfg.output_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    setup.check_data_sources(cfg)
+    run_dir = run_dirs.prepare(cfg.output_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        stored, _ = read_checkpoint_config(run_dir)
+        changed = run_dirs.check_resume_config(stored, cfg.to_dict())
+        if changed:
+            log.info("resuming with changed settings: %s", ", ".join(changed))
     mesh = make_mesh(cfg.mesh)
     target_dir, tok_dir = setup.resolve_target(cfg, run_dir)
     check_plan(cfg, target_dir, mesh, device_memory, quiet=quiet)
@@ -101,6 +110,7 @@ def run(
 
     resolved = cfg.to_dict()
     resolved["drafter_config"] = dcfg.to_dict()
+    resolved["target_dir"] = str(target_dir)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
     data_iter = make_train_iterator(
@@ -121,11 +131,11 @@ def run(
     def put(batch):  # this process's rows -> global arrays, rows over the data axes
         return to_global_batch(batch, batch_sharding)
 
-    def save(step, force):
-        ckpt.save(step, drafter, optimizer, data_iter.get_state(), resolved, force=force)
+    def save(step, force, data_state):
+        ckpt.save(step, drafter, optimizer, data_state, resolved, force=force)
 
     held_batches = [put(b) for b in evaluation.heldout_batches(tokenizer, heldout_cfg)]
-    logger = MetricLogger(run_dir)
+    logger = MetricLogger(run_dir, resume_step=start_step if resume else None)
     eval_key = jax.random.key(cfg.train.seed + 1)
     result = {"run_dir": str(run_dir), "start_step": start_step}
 
@@ -152,23 +162,34 @@ def run(
             heldout_tau("before")
         if start_step == 0:
             heldout_streak(0, "before")
-        done = train_loop(
-            cfg.train,
-            train_step=train_step,
-            drafter=drafter,
-            optimizer=optimizer,
-            target=target,
-            data_iter=data_iter,
-            put=put,
-            save=save,
-            logger=logger,
-            start_step=start_step,
-            stop_at_step=stop_at_step,
-            quiet=quiet,
-        )
+        try:
+            done = train_loop(
+                cfg.train,
+                train_step=train_step,
+                drafter=drafter,
+                optimizer=optimizer,
+                target=target,
+                data_iter=data_iter,
+                put=put,
+                save=save,
+                logger=logger,
+                start_step=start_step,
+                resumed=resume,
+                stop_at_step=stop_at_step,
+                quiet=quiet,
+                max_wait_s=data_cfg.max_wait_s,
+                check_saves=ckpt.check,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+                ckpt.close()
+            logger.close()
+            data_iter.close()
+            raise
         ckpt.close()
         data_iter.close()
         result.update(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
+        result.update(signal=done.signum, skipped_steps=done.skipped_steps)
         if done.last:
             result.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
         heldout_streak(done.step, "after")
@@ -182,7 +203,10 @@ def run(
     return result
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 an expected error (one ``error: ...`` line), 143/130 stopped by
+    SIGTERM/SIGINT after its checkpoint (see dflash_jax.cli)."""
     from dflash_jax.training.run_config import shipped_configs
 
     p = argparse.ArgumentParser(prog="python -m dflash_jax.train", description=__doc__.split("\n\n")[0])
@@ -192,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a YAML path or a shipped config: {', '.join(shipped_configs())} (default: demo)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in output_dir (its checkpoints, metrics)",
+    )
     p.add_argument(
         "--init-from", default=None, help="warm-start the drafter (z-lab HF dir or checkpoint dir)"
     )
@@ -211,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_run_config(args.config, args.overrides)
     from dflash_jax import plan
 
     memory = plan.parse_bytes(args.device_memory) if args.device_memory else None
@@ -226,19 +251,25 @@ def main(argv: list[str] | None = None) -> int:
         except plan.PlanDoesNotFit as e:
             print(f"does not fit:\n{e}", file=sys.stderr)
             return 3
-        except (plan.LayoutError, ConfigError) as e:
-            print(f"plan error: {e}", file=sys.stderr)
-            return 2
         print(text)
         return 0
     try:
-        result = run(cfg, resume=args.resume, init_from=args.init_from, quiet=args.quiet, device_memory=memory)
+        result = run(
+            cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            init_from=args.init_from,
+            quiet=args.quiet,
+            device_memory=memory,
+        )
     except plan.PlanDoesNotFit as e:
         print(f"does not fit, nothing loaded:\n{e}", file=sys.stderr)
         return 3
     result = {k: v for k, v in result.items() if k not in ("drafter", "target")}
     print(json.dumps(result, indent=2))
     print(f"outputs: {result['run_dir']} (metrics.jsonl, metrics.png, tensorboard/, checkpoints/)")
+    if result.get("signal"):
+        return 128 + int(result["signal"])  # a scheduler can tell interrupted from finished
     return 0
 
 

@@ -202,7 +202,7 @@ def test_bad_records_skip_or_fail_through_the_pipeline(qwen, tmp_path):
     lines.insert(2, '{"id": "broken", ')
     lines.insert(4, json.dumps({"id": "q", "messages": [{"role": "user", "content": "only a question"}]}))
     p.write_text("\n".join(lines) + "\n")
-    cfg = _cfg(str(p))
+    cfg = _cfg(str(p), max_skip_fraction=0.5)  # 2 of 8 bad: above the default limit of 10%
     ds, report = pipeline.build_train_dataset(cfg, qwen)
     assert report.load.skipped == {"malformed_json": 1, "no_assistant": 1} and report.train_records == 6
     assert "skipped bad records: 2" in report.summary()

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,9 @@ class DataConfig:
     heldout_seed:   seed of the held-out split (separate, so changing `seed` keeps eval prompts)
     max_records:    read at most this many valid records (demos)
     min_loss_tokens: drop documents with fewer trained tokens after truncation (logged)
+    max_skip_fraction: fail the load when more than this fraction of the records read are bad
+                    (skipped under on_bad_record="skip"); the error names the top reasons
+    max_wait_s:     the trainer fails when no batch arrives for this many seconds (null: wait)
     packing_bins:   rows open at once during first-fit packing (None: max(16, rows per process))
     num_workers:    tokenising worker processes (0 = in-process)
     read_threads:   tokenising threads per process
@@ -84,6 +88,8 @@ class DataConfig:
     heldout_seed: int = 0
     max_records: int | None = None
     min_loss_tokens: int = 1
+    max_skip_fraction: float = 0.1
+    max_wait_s: float | None = 900.0
     packing_bins: int | None = None
     num_workers: int = 0
     read_threads: int = 1
@@ -119,6 +125,12 @@ class DataConfig:
         check_int("seed", 0)
         if self.seed >= 2**32:
             raise ValueError(f"DataConfig.seed must be < 2**32, got {self.seed}")
+        if not 0.0 <= self.max_skip_fraction <= 1.0:
+            raise ValueError(
+                f"DataConfig.max_skip_fraction must be in [0, 1], got {self.max_skip_fraction!r}"
+            )
+        if self.max_wait_s is not None and self.max_wait_s <= 0:
+            raise ValueError(f"DataConfig.max_wait_s must be > 0 seconds or null, got {self.max_wait_s!r}")
         f = self.heldout_fraction
         if not 0.0 <= f < 1.0:
             raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")
@@ -177,10 +189,15 @@ def _cached_index(srcs: tuple[str, ...], on_bad_record: str, max_records: int | 
 
 
 def load_index(config: DataConfig) -> tuple[data_sources.RecordIndex, data_sources.LoadReport]:
-    """Index (and validate) all configured sources; cached per process while files are unchanged."""
-    return _cached_index(
+    """Index (and validate) all configured sources; cached per process while files are unchanged.
+
+    Raises :class:`~dflash_jax.data.sources.BadDataError` when more than ``max_skip_fraction`` of
+    the records read were bad (a wrong encoding or format skipped record by record)."""
+    index, report = _cached_index(
         config.sources, config.on_bad_record, config.max_records, _source_stamp(config.sources)
     )
+    data_sources.check_skip_fraction(report, config.max_skip_fraction, key="data.max_skip_fraction")
+    return index, report
 
 
 def split_records(config: DataConfig):
@@ -190,7 +207,7 @@ def split_records(config: DataConfig):
         index.groups, seed=config.heldout_seed, fraction=config.heldout_fraction, count=config.heldout_count
     )
     if len(train_idx) == 0:
-        raise ValueError(
+        raise data_sources.BadDataError(
             f"no training records left (sources {list(config.sources)}; {report.num_skipped} skipped)"
         )
     rep = DataReport(
@@ -246,10 +263,26 @@ def _is_round(n: int) -> bool:
     return n in (1, 2, 5)
 
 
-class TokenizeRecord:
-    """grain map: record -> ``{"input_ids", "loss_mask"}`` truncated, or None (skipped, logged)."""
+class NoTrainableDataError(data_sources.BadDataError):
+    """Every record of a whole pass over the data was dropped: training would wait forever."""
 
-    def __init__(self, tokenizer, config: DataConfig):
+
+# Why a document was dropped while tokenising -> the filter (config key) a user would change.
+DROP_FILTERS = {
+    "template": "the chat template (data.chat_template / the tokenizer's template)",
+    "max_length": "the length filter (data.max_length truncates away every trained token)",
+    "empty_loss_mask": "the loss-mask filter (fewer assistant tokens than data.min_loss_tokens)",
+}
+
+
+class TokenizeRecord:
+    """grain map: record -> ``{"input_ids", "loss_mask"}`` truncated, or None (skipped, logged).
+
+    With ``records_per_pass`` set, ``records_per_pass`` drops in a row (a whole pass over the data
+    without one trainable document) raise :class:`NoTrainableDataError` naming the filters that
+    dropped them, instead of silently filtering forever (``num_epochs: null``)."""
+
+    def __init__(self, tokenizer, config: DataConfig, *, records_per_pass: int | None = None):
         self.tokenizer = tokenizer
         self.enable_thinking = config.enable_thinking
         self.chat_template = config.chat_template
@@ -257,10 +290,20 @@ class TokenizeRecord:
         self.min_loss_tokens = config.min_loss_tokens
         self.fail = config.on_bad_record == "fail"
         self.dropped: dict[str, int] = {}
+        self.records_per_pass = records_per_pass
+        self._in_a_row: dict[str, int] = {}  # drops by reason since the last kept document
+        self._lock = threading.Lock()  # grain may call the map from several reader threads
         # Resolve once here so that an unusable template fails at construction, not mid-run.
         self.eot_token = config.eot_token or chat.end_of_turn_token(
             tokenizer, chat_template=config.chat_template
         )
+
+    def __getstate__(self):  # grain worker processes get a pickled copy (locks do not pickle)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __call__(self, rec: dict) -> dict | None:
         try:
@@ -279,19 +322,35 @@ class TokenizeRecord:
         doc = packing.truncate_document(ids, mask, self.max_length)
         n_loss = int(doc["loss_mask"].sum())
         if n_loss < self.min_loss_tokens:
+            reason = "max_length" if int(np.sum(mask)) >= self.min_loss_tokens else "empty_loss_mask"
             self._count_drop(
-                "few_loss_tokens",
+                reason,
                 f"dropping record {rec['origin']}: {n_loss} trained tokens within max_length="
                 f"{self.max_length} (< min_loss_tokens={self.min_loss_tokens})",
             )
             return None
+        with self._lock:
+            self._in_a_row.clear()
         return doc
 
     def _count_drop(self, reason: str, message: str) -> None:
         # Every drop is logged; warnings at counts 1, 2, 5, 10, 20, 50, ... keep long runs readable.
-        n = self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        with self._lock:
+            n = self.dropped[reason] = self.dropped.get(reason, 0) + 1
+            self._in_a_row[reason] = self._in_a_row.get(reason, 0) + 1
+            in_a_row = dict(self._in_a_row)
         level = logging.WARNING if _is_round(n) else logging.DEBUG
         log.log(level, "%s [%s drops so far in this process: %d]", message, reason, n)
+        total = sum(in_a_row.values())
+        if self.records_per_pass is not None and total >= self.records_per_pass:
+            filters = "; ".join(
+                f"{DROP_FILTERS[r]}: {k}" for r, k in sorted(in_a_row.items(), key=lambda kv: -kv[1])
+            )
+            raise NoTrainableDataError(
+                f"no trainable document: {total} records in a row (a whole pass over the "
+                f"{self.records_per_pass} training records) were dropped by {filters} "
+                f"(data.max_length={self.max_length}, data.min_loss_tokens={self.min_loss_tokens})"
+            )
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -316,7 +375,8 @@ def build_train_dataset(
     ds = ds.repeat(config.num_epochs)
     if process_count > 1:
         ds = ds[process_index::process_count]
-    ds = ds.map(TokenizeRecord(tokenizer, config))
+    per_pass = -(-len(train) // process_count)  # the most records one process sees per epoch
+    ds = ds.map(TokenizeRecord(tokenizer, config, records_per_pass=per_pass))
     it = ds.to_iter_dataset(
         grain.ReadOptions(
             num_threads=config.read_threads, prefetch_buffer_size=max(1, 4 * config.read_threads)

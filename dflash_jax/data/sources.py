@@ -61,6 +61,10 @@ class BadRecordError(ValueError):
         self.reason = reason
 
 
+class BadDataError(ValueError):
+    """The data as a whole cannot be trained on (too many bad records, nothing left to train)."""
+
+
 class _Invalid(Exception):
     """Internal: why a parsed record is unusable (reason key, human message)."""
 
@@ -318,6 +322,7 @@ class SourceReport:
     records_read: int = 0
     records_kept: int = 0
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    first_skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # reason -> file:line
     truncated_tail_bytes: int = 0  # bytes after the last complete element that were not usable
     truncated_at_line: int | None = None
     truncation_detail: str | None = None
@@ -360,8 +365,30 @@ class LoadReport:
             c.update(s.skipped)
         return dict(c)
 
+    @property
+    def records_read(self) -> int:
+        return sum(s.records_read for s in self.sources)
+
     def summary(self) -> str:
         return "\n".join(s.summary() for s in self.sources)
+
+
+def check_skip_fraction(report: LoadReport, limit: float, *, key: str = "max_skip_fraction") -> None:
+    """Raise :class:`BadDataError` when more than ``limit`` of the records read were skipped as
+    bad, naming the top reasons with the first file:line of each (``key`` names the setting)."""
+    read, skipped = report.records_read, report.num_skipped
+    if read == 0 or skipped / read <= limit:
+        return
+    first: dict[str, str] = {}
+    for s in report.sources:
+        for reason, origin in s.first_skipped.items():
+            first.setdefault(reason, origin)
+    top = sorted(report.skipped.items(), key=lambda kv: -kv[1])[:3]
+    reasons = "; ".join(f"{r}: {n} (first at {first.get(r, '?')})" for r, n in top)
+    raise BadDataError(
+        f"skipped {skipped} of {read} records ({skipped / read:.0%}), more than {key}={limit:g}: "
+        f"{reasons}. Fix the data (encoding? format?) or raise {key}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,6 +505,7 @@ def index_sources(
                     if on_bad_record == "fail":
                         raise BadRecordError(origin, e.reason, e.message) from None
                     rep.skipped[e.reason] = rep.skipped.get(e.reason, 0) + 1
+                    rep.first_skipped.setdefault(e.reason, origin)
                     if rep.num_skipped <= _LOG_FIRST_SKIPS:
                         log.warning("skipping bad record %s: %s", origin, e.message)
                     continue

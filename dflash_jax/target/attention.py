@@ -123,7 +123,7 @@ def attend(
 
         def kv_step(j, carry):
             def compute(carry):
-                m, l, acc = carry
+                m, row_sum, acc = carry
                 k_t = jax.lax.dynamic_slice_in_dim(k_p, j * tk, tk, axis=1)
                 v_t = jax.lax.dynamic_slice_in_dim(v_p, j * tk, tk, axis=1)
                 ks_t = jax.lax.dynamic_slice_in_dim(kv_seg_p, j * tk, tk, axis=1)
@@ -136,7 +136,7 @@ def attend(
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
-                l_new = l * corr + p.sum(axis=-1)
+                l_new = row_sum * corr + p.sum(axis=-1)
                 pv = jnp.einsum(
                     "BKGTS,BSKH->BKGTH", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32
                 )
@@ -150,8 +150,8 @@ def attend(
             jnp.zeros((B, K, G, tq), jnp.float32),
             jnp.zeros((B, K, G, tq, H), jnp.float32),
         )
-        _, l, acc = jax.lax.fori_loop(0, n_needed, kv_step, init)
-        out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # a query that sees nothing -> 0
+        _, row_sum, acc = jax.lax.fori_loop(0, n_needed, kv_step, init)
+        out = acc / jnp.where(row_sum == 0, 1.0, row_sum)[..., None]  # a query that sees nothing -> 0
         return jnp.einsum("BKGTH->BTKGH", out).astype(q.dtype)
 
     tiles = (

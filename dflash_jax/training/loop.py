@@ -1,16 +1,22 @@
 """The training loop: steps until done, with stop flags, throughput, metrics and checkpoints.
 
 It stops at ``train.steps``, when the data runs out, at ``train.time_limit_minutes``, at an
-explicit ``stop_at_step``, or on SIGTERM/SIGINT (a second signal aborts); every way out saves a
-checkpoint, so ``--resume`` continues the same schedule. A non-finite loss raises, naming the last
-good checkpoint. Throughput excludes the first (compiling) step.
+explicit ``stop_at_step``, or on SIGTERM/SIGINT (a second signal aborts), also while it waits for
+data; every such way out saves a checkpoint, so ``--resume`` continues the same schedule.
+
+A fresh run checkpoints its initial parameters (step 0) first. A step whose loss or gradients are
+not finite applies no update (see ``step.make_train_step``) and is counted; after
+``train.max_nonfinite_steps`` of them in a row the run stops with :class:`TrainingDiverged`,
+naming the step and the last checkpoint, which is finite by construction (saves refuse
+non-finite parameters, and skipped steps never change them). Throughput excludes the first
+(compiling) step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -18,9 +24,18 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from dflash_jax.cli import UserError
 from dflash_jax.training.run_config import TrainSection
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class DataStalled(UserError):
+    """No batch arrived within ``data.max_wait_s``."""
 
 
 class StopFlag:
@@ -29,12 +44,63 @@ class StopFlag:
     def __init__(self):
         self.stop = False
         self.reason = ""
+        self.signum: int | None = None
 
     def __call__(self, signum, frame):
         if self.stop:  # second signal: give up waiting
             raise KeyboardInterrupt
         self.stop = True
+        self.signum = signum
         self.reason = signal.Signals(signum).name
+
+
+class BatchWaiter:
+    """``next(data_iter)`` on a helper thread, waited for in short slices: a stop signal is
+    honoured while the pipeline is busy or stuck, and no batch within ``max_wait_s`` fails the
+    run. ``get_state()`` is the iterator's state after the last batch handed out, so a checkpoint
+    taken while a fetch is pending resumes with exactly that batch."""
+
+    def __init__(self, data_iter, *, max_wait_s: float | None, poll_s: float = 0.2):
+        self.it, self.max_wait_s, self.poll_s = data_iter, max_wait_s, poll_s
+        self._state = data_iter.get_state()
+        self._box: list = []
+        self._thread: threading.Thread | None = None
+
+    def _fetch(self, box):
+        try:
+            box.append(("batch", next(self.it)))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the loop's thread
+            box.append(("error", e))
+
+    def next(self, stop: StopFlag, step: int):
+        """The next batch; None when a stop was requested while waiting; raises StopIteration
+        at the end of the data and :class:`DataStalled` after ``max_wait_s``."""
+        if self._thread is None:
+            self._box = []
+            self._thread = threading.Thread(target=self._fetch, args=(self._box,), daemon=True)
+            self._thread.start()
+        t0 = time.perf_counter()
+        while self._thread.is_alive():
+            self._thread.join(self.poll_s)
+            if stop.stop and self._thread.is_alive():
+                return None
+            waited = time.perf_counter() - t0
+            if self.max_wait_s is not None and waited > self.max_wait_s and self._thread.is_alive():
+                raise DataStalled(
+                    f"no training batch for {waited:.0f} s at step {step} (data.max_wait_s="
+                    f"{self.max_wait_s:g}): the data pipeline drops or stalls on everything; see the "
+                    "'dropping record' warnings above for the filter (data.max_length, "
+                    "data.min_loss_tokens, the chat template), or raise data.max_wait_s"
+                )
+        self._thread = None
+        kind, value = self._box[0]
+        if kind == "error":
+            raise value
+        self._state = self.it.get_state()
+        return value
+
+    def get_state(self):
+        return self._state
 
 
 @dataclass
@@ -43,6 +109,8 @@ class LoopResult:
     interrupted: bool
     train_seconds: float
     last: dict  # the last logged train metrics (empty if none was logged)
+    signum: int | None = None  # the signal that stopped the run, if one did
+    skipped_steps: int = 0
 
 
 def train_loop(
@@ -57,39 +125,59 @@ def train_loop(
     save,
     logger,
     start_step: int = 0,
+    resumed: bool = False,
     stop_at_step: int | None = None,
     quiet: bool = False,
+    max_wait_s: float | None = None,
+    check_saves=None,
 ) -> LoopResult:
-    """Run ``train_step`` from ``start_step``; ``put`` makes a host batch global, ``save(step,
-    force)`` writes a checkpoint, ``logger.log(step, metrics)`` records train metrics."""
+    """Run ``train_step`` from ``start_step`` (``resumed``: restored from its checkpoint); ``put`` makes a host batch global, ``save(step,
+    force, data_state)`` writes a checkpoint, ``logger.log(step, metrics)`` records train metrics,
+    ``check_saves()`` (after every step) raises if an asynchronous save failed; ``max_wait_s``
+    bounds the wait for one batch."""
     stop = StopFlag()
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     base_key = jax.random.key(train.seed)
+    waiter = BatchWaiter(data_iter, max_wait_s=max_wait_s)
+    step, t_train = start_step, time.perf_counter()
+    last_saved = start_step if resumed else None  # a resumed run's checkpoint exists
+    if last_saved is None:  # the fallback a diverging run keeps: finite by construction
+        save(0, True, waiter.get_state())
+        last_saved = 0
     bar = tqdm(total=train.steps, initial=start_step, desc="train", unit="step", disable=quiet)
-    step, last_saved, t_train = start_step, None, time.perf_counter()
     window_t, window_tokens, compiled_at = time.perf_counter(), 0, None
-    last = {}
+    last, in_a_row, skipped_total = {}, 0, 0
     try:
         while step < train.steps:
             try:
-                batch = next(data_iter)
+                batch = waiter.next(stop, step)
             except StopIteration:
+                if step == start_step:
+                    raise DataStalled("the training data yielded no batch at all") from None
                 log.info("data exhausted at step %d", step)
+                break
+            if batch is None:
+                log.warning("%s received while waiting for data at step %d", stop.reason, step)
                 break
             metrics = train_step(drafter, optimizer, target, put(batch), jax.random.fold_in(base_key, step))
             step += 1
             loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss} at step {step}; stopping. Last good checkpoint: step {last_saved}"
+            if int(metrics["skipped"]):
+                in_a_row += 1
+                skipped_total += 1
+                log.warning(
+                    "step %d: loss %s, grad norm %s: not finite, no update applied (%d in a row)",
+                    *(step, loss, float(metrics["grad_norm"]), in_a_row),
                 )
+            else:
+                in_a_row = 0
             if compiled_at is None:
                 compiled_at = time.perf_counter()
                 window_t, window_tokens = compiled_at, 0
             else:
                 window_tokens += int(metrics["tokens"])
             bar.update(1)
-            if step % train.log_every == 0 or step == train.steps:
+            if step % train.log_every == 0 or step == train.steps or in_a_row:
                 dt = max(time.perf_counter() - window_t, 1e-9)
                 last = {k: np.asarray(v) for k, v in metrics.items()}
                 last["tokens_per_s"] = window_tokens / dt
@@ -97,9 +185,18 @@ def train_loop(
                 logger.log(step, last)
                 bar.set_postfix(loss=f"{loss:.3f}", streak=f"{float(last['streak']):.2f}")
                 window_t, window_tokens = time.perf_counter(), 0
-            if step % train.checkpoint_every == 0:
-                save(step, force=False)
+            if in_a_row >= train.max_nonfinite_steps:
+                raise TrainingDiverged(
+                    f"loss or gradients not finite for {in_a_row} steps in a row (train.max_nonfinite_steps="
+                    f"{train.max_nonfinite_steps}; no update was applied for them): stopped at step {step}; "
+                    f"kept checkpoint: step {last_saved} (every parameter finite). Lower "
+                    "train.learning_rate and --resume from it"
+                )
+            if step % train.checkpoint_every == 0 and not in_a_row:
+                save(step, False, waiter.get_state())
                 last_saved = step
+            if check_saves is not None:
+                check_saves()
             limit = train.time_limit_minutes
             if limit is not None and time.perf_counter() - t_train > 60 * limit:
                 log.info("time limit of %.1f min reached at step %d", limit, step)
@@ -107,12 +204,13 @@ def train_loop(
             if stop_at_step is not None and step >= stop_at_step:
                 break
             if stop.stop:
-                log.warning("%s received: saving a checkpoint at step %d and exiting", stop.reason, step)
                 break
     finally:
         bar.close()
         for s, h in old.items():
             signal.signal(s, h)
+    if stop.stop:
+        log.warning("%s received: saving a checkpoint at step %d and exiting", stop.reason, step)
     if last_saved != step:
-        save(step, force=True)
-    return LoopResult(step, stop.stop, time.perf_counter() - t_train, last)
+        save(step, True, waiter.get_state())
+    return LoopResult(step, stop.stop, time.perf_counter() - t_train, last, stop.signum, skipped_total)

@@ -10,16 +10,25 @@ import numpy as np
 
 
 class MetricLogger:
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True):
+    """Appends to ``metrics.jsonl``; ``resume_step`` first drops rows logged after that step (a
+    killed run logs steps its last checkpoint does not hold: the resumed run logs them again)."""
+
+    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.directory / "metrics.jsonl"
+        if resume_step is not None and self.jsonl_path.is_file():
+            kept = [r for r in read_metrics(self.jsonl_path) if r["step"] <= resume_step]
+            tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.jsonl_path)
         self._jsonl = open(self.jsonl_path, "a")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.directory / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1  # TensorBoard's own truncation
+            self._tb = SummaryWriter(str(self.directory / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict, prefix: str = "train"):
         flat = {}

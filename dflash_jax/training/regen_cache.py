@@ -19,6 +19,12 @@ from dflash_jax.training.run_config import RunConfig
 log = logging.getLogger(__name__)
 
 
+def _stamp(directory: Path) -> list:
+    """(name, size, mtime) of the files that define a model directory."""
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
 def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tuple[Path, Path]:
     """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
     from dflash_jax.data import sources
@@ -30,6 +36,8 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     key = json.dumps(
         {
             "target": str(Path(target_dir).resolve()),
+            "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
+            "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
             "data": dataclasses.asdict(cfg.data),
             "regen": dataclasses.asdict(r),
             "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],

@@ -48,6 +48,27 @@ class DrafterSection:
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
 
     def __post_init__(self):
+        check_fields(self)
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ValueError(
+                f"drafter.block_size must be >= 2 (slot 0 plus a speculated token), got {self.block_size}"
+            )
+        if self.anchor_chunk < 1:
+            raise ValueError(f"drafter.anchor_chunk must be >= 1, got {self.anchor_chunk}")
+        for name in ("mask_token_id", "intermediate_size"):
+            v = getattr(self, name)
+            if v is not None and v < (0 if name == "mask_token_id" else 1):
+                raise ValueError(
+                    f"drafter.{name} must be {'>= 0' if name == 'mask_token_id' else '>= 1'}, got {v}"
+                )
+        if self.target_layer_ids is not None and (
+            not self.target_layer_ids or min(self.target_layer_ids) < 0
+        ):
+            raise ValueError(
+                f"drafter.target_layer_ids must be non-empty layer indices >= 0, got {self.target_layer_ids}"
+            )
         if self.attention_impl == "pallas":
             require_pallas_kernel("drafter.attention_impl")
 
@@ -78,6 +99,7 @@ class TrainSection:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     time_limit_minutes: float | None = None  # stop (and checkpoint) after this much training time
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss/gradient
 
     def __post_init__(self):
         check_fields(self)
@@ -93,7 +115,13 @@ class TrainSection:
             raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "loss_chunk"):
+        for name in (
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "loss_chunk",
+            "max_nonfinite_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1")
 
@@ -129,6 +157,15 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     regen: RegenSection = field(default_factory=RegenSection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self):
+        # Bounds that tie sections together, checked before any model is built.
+        T, A = self.data.max_length, self.train.max_anchors
+        if A > T - 1:
+            raise ValueError(
+                f"train.max_anchors={A} is more than a row of data.max_length={T} tokens can hold "
+                f"(at most {T - 1}: an anchor needs a next token); lower train.max_anchors"
+            )
 
     def to_dict(self) -> dict:
         return to_dict(self)

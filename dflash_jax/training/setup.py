@@ -6,6 +6,7 @@ the mask token, the drafter config, and the optional warm start (``init_params_f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -19,8 +20,26 @@ from dflash_jax.training.run_config import RunConfig, TargetSection
 log = logging.getLogger(__name__)
 
 
-def make_tiny_target_dir(section: TargetSection, vocab_size: int, directory: Path) -> Path:
-    """A random tiny Qwen3-style target saved as an HF checkpoint (so every tool can load it)."""
+def tiny_target_key(section: TargetSection, vocab_size: int) -> str:
+    """Everything that shapes a tiny target, as a directory name: a cached one is reused only
+    when it is the same model."""
+    fields = dict(
+        vocab=vocab_size,
+        hidden=section.tiny_hidden_size,
+        layers=section.tiny_num_layers,
+        seed=section.tiny_seed,
+        recipe=TINY_TARGET_RECIPE,
+    )
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    return f"tiny_target-h{section.tiny_hidden_size}-l{section.tiny_num_layers}-v{vocab_size}-{digest}"
+
+
+TINY_TARGET_RECIPE = 1  # bump when make_tiny_target_dir builds its model differently
+
+
+def make_tiny_target_dir(section: TargetSection, vocab_size: int, root: Path) -> Path:
+    """A random tiny Qwen3-style target saved as an HF checkpoint (so every tool can load it),
+    in ``root/<tiny_target_key>``: made once per shape, reused only for the same shape."""
     from safetensors.numpy import save_file
 
     from convert.hf_target import export_target_state
@@ -28,6 +47,7 @@ def make_tiny_target_dir(section: TargetSection, vocab_size: int, directory: Pat
     from dflash_jax.target.config import TargetConfig
     from dflash_jax.target.model import TargetModel
 
+    directory = Path(root) / tiny_target_key(section, vocab_size)
     marker = directory / "config.json"
     if marker.is_file():
         return directory
@@ -81,11 +101,19 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
     if t.path == "tiny":
         tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
-        return make_tiny_target_dir(t, vocab, run_dir / "tiny_target"), tok_dir
+        return make_tiny_target_dir(t, vocab, run_dir), tok_dir
     target_dir = smollm2_dir() if t.path == "smollm2" else Path(t.path)
     tok = t.tokenizer
     tok_dir = smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
     return target_dir, tok_dir
+
+
+def check_data_sources(cfg: RunConfig) -> None:
+    """Every configured data file exists (named if not), checked before any model is built."""
+    from dflash_jax.data.sources import resolve_source
+
+    for source in cfg.data.sources:
+        resolve_source(source)
 
 
 def choose_mask_token_id(tokenizer, vocab_size: int) -> int:

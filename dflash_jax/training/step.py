@@ -137,9 +137,7 @@ def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, 
     return drafter.forward_train(features, positions, segment_ids, anchors, valid, embeds)
 
 
-def drafter_loss(
-    drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False, anchors=None
-):
+def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False, anchors=None):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
     ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
     ``anchors``: (anchors, valid) already drawn (micro-batching draws them for the whole batch)."""
@@ -173,20 +171,55 @@ def drafter_loss(
     return loss, metrics
 
 
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _pure(module, var_type):
+    return nnx.to_pure_dict(nnx.state(module, var_type))
+
+
+def _assign(module, var_type, pure) -> None:
+    state = nnx.state(module, var_type)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(module, state)
+
+
 def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) -> dict:
     """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
-    trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same."""
+    trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same.
+
+    A step whose loss, gradients or updated parameters are not all finite applies no update at
+    all (parameters and optimizer state, step counter included, stay as they were, like optax's
+    ``apply_if_finite``) and reports ``skipped = 1``; the trainer counts these and stops after a
+    configured number in a row, so parameters are finite by construction."""
     if getattr(cfg, "micro_batches", 1) == 1:
 
         def loss_fn(model):
             return drafter_loss(model, target, batch, key, cfg)
 
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
     else:
         grads, metrics = accumulated_grads(drafter, target, batch, key, cfg)
     metrics.pop("loss_sum"), metrics.pop("slot_count")
     metrics["grad_norm"] = optax.global_norm(grads)
+    old_params = _pure(drafter, nnx.Param)
+    old_opt = _pure(optimizer, nnx.optimizer.OptState)
     optimizer.update(drafter, grads)
+    new_params = _pure(drafter, nnx.Param)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(new_params)
+
+    def keep(new, old):
+        return jnp.where(ok, new, old)
+
+    _assign(drafter, nnx.Param, jax.tree.map(keep, new_params, old_params))
+    _assign(
+        optimizer,
+        nnx.optimizer.OptState,
+        jax.tree.map(keep, _pure(optimizer, nnx.optimizer.OptState), old_opt),
+    )
+    metrics["skipped"] = 1 - ok.astype(jnp.int32)
     return metrics
 
 
