@@ -1,0 +1,172 @@
+"""What training trains (invariant 5 and the slot weighting): anchors up to the end of every reply,
+per-slot masks as a running product along the block, and D-PACE weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_jax import assets
+from dflash_jax.data.chat import tokenize_conversation
+from dflash_jax.training.anchors import anchor_candidates, sample_anchors, slot_targets
+from dflash_jax.training.loss import dpace_weights, weighted_slot_loss
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return AutoTokenizer.from_pretrained(assets.qwen3_tokenizer_dir())
+
+
+def pack(docs, T):
+    """Documents [(ids, loss_mask)] -> one packed row (segment ids 1, 2, ...; 0 = padding)."""
+    ids, mask, seg = np.zeros(T, np.int32), np.zeros(T, bool), np.zeros(T, np.int32)
+    at = 0
+    for i, (d_ids, d_mask) in enumerate(docs, start=1):
+        n = len(d_ids)
+        ids[at : at + n], mask[at : at + n], seg[at : at + n] = d_ids, d_mask, i
+        at += n
+    assert at <= T
+    return ids, mask, seg
+
+
+def all_anchor_targets(mask, seg, block_size=B):
+    """Every candidate anchor of a single row, with its slot targets (numpy)."""
+    mask, seg = jnp.asarray(mask[None]), jnp.asarray(seg[None])
+    cand = np.asarray(anchor_candidates(mask, seg))[0]
+    anchors = np.nonzero(cand)[0].astype(np.int32)
+    label_pos, trained = slot_targets(
+        jnp.asarray(anchors[None]), jnp.ones((1, len(anchors)), bool), mask, seg, block_size
+    )
+    return anchors, np.asarray(label_pos)[0], np.asarray(trained)[0]
+
+
+def test_short_reply_at_document_end_gets_an_anchor_and_eot_is_a_slot_one_label(qwen):
+    """A 2-token reply at the end of a document (shorter than B-1) still starts blocks, and the
+    end-of-turn token is the label of slot 1 of the block anchored just before it."""
+    chat = [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes"}]
+    ids, mask = tokenize_conversation(qwen, chat, enable_thinking=False)
+    reply = np.nonzero(mask)[0]
+    assert len(reply) < B - 1, qwen.decode(ids[mask])
+    eot = qwen.convert_tokens_to_ids("<|im_end|>")
+    assert ids[reply[-1]] == eot
+    other_ids, other_mask = tokenize_conversation(
+        qwen, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]
+    )
+    row_ids, row_mask, row_seg = pack([(ids, mask), (other_ids, other_mask)], len(ids) + len(other_ids) + 5)
+    anchors, label_pos, trained = all_anchor_targets(row_mask, row_seg)
+    assert set(reply[:-1]) <= set(anchors.tolist()), "every reply token but the last starts a block"
+    eot_at = int(reply[-1])
+    j = anchors.tolist().index(eot_at - 1)
+    assert trained[j, 0] and label_pos[j, 0] == eot_at - 1  # slot 1 predicts token eot_at
+    assert row_ids[label_pos[j, 0] + 1] == eot
+    assert not trained[j, 1:].any(), "nothing past the end of the document is trained"
+
+
+def test_block_stops_at_the_end_of_its_reply(qwen):
+    """A block near the end of a reply trains no slot in the following user turn, nor in the next
+    reply (which is back inside the loss mask): the per-slot mask is a running product."""
+    chat = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red is a fine colour for many things."},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": "Blue, green and yellow are colours as well."},
+    ]
+    ids, mask = tokenize_conversation(qwen, chat, enable_thinking=False)
+    runs = np.split(np.nonzero(mask)[0], np.nonzero(np.diff(np.nonzero(mask)[0]) > 1)[0] + 1)
+    first, second = runs[0], runs[1]
+    gap = second[0] - first[-1] - 1
+    block = 24
+    assert 0 < gap < block - 3, "the user turn in between must fit in a block"
+    anchors, label_pos, trained = all_anchor_targets(mask, np.ones_like(ids), block)
+    a = int(first[-3])  # two trained slots left in the first reply, then the user turn
+    j = anchors.tolist().index(a)
+    predicted = a + np.arange(1, block)
+    assert trained[j].tolist() == [True, True] + [False] * (block - 3)
+    assert (predicted[~trained[j]] > first[-1]).all()
+    # Without the running product slots inside the second reply would be trained.
+    assert mask[predicted[gap + 2 :]].any()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_no_slot_label_lies_in_another_document_or_past_the_row(seed):
+    rng = np.random.default_rng(seed)
+    R, T = 3, 64
+    seg = np.zeros((R, T), np.int32)
+    mask = rng.random((R, T)) < 0.7
+    for r in range(R):
+        cuts = np.sort(rng.choice(np.arange(1, T), size=4, replace=False))
+        seg[r] = np.searchsorted(cuts, np.arange(T), side="right") + 1
+        seg[r, T - rng.integers(0, 6) :] = 0  # a padded tail
+    anchors, valid = sample_anchors(jax.random.key(seed), jnp.asarray(mask), jnp.asarray(seg), max_anchors=40)
+    label_pos, trained = slot_targets(anchors, valid, jnp.asarray(mask), jnp.asarray(seg), B)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    label_pos, trained = np.asarray(label_pos), np.asarray(trained)
+    assert valid.any() and trained.any() and (~trained[valid]).any()
+    for r in range(R):
+        for j in np.nonzero(valid[r])[0]:
+            a = anchors[r, j]
+            assert mask[r, a] and mask[r, a + 1] and seg[r, a] == seg[r, a + 1] != 0
+            assert (0 <= label_pos[r, j]).all() and (label_pos[r, j] < T).all()
+            assert (seg[r, label_pos[r, j]] == seg[r, a]).all()
+            for k in np.nonzero(trained[r, j])[0] + 1:  # slot k predicts a+k
+                assert a + k < T and seg[r, a + k] == seg[r, a] and mask[r, a + 1 : a + k + 1].all()
+                assert label_pos[r, j, k - 1] == a + k - 1
+            # ...and every slot that could train does (trained slots are the longest such prefix).
+            n = int(trained[r, j].sum())
+            if n < B - 1:
+                nxt = a + n + 1
+                assert nxt >= T or not mask[r, nxt] or seg[r, nxt] != seg[r, a]
+    assert not trained[~valid].any()
+
+
+def dpace_reference(ce, trained, alpha):
+    """The published formula, slot by slot."""
+    w = np.zeros_like(ce)
+    for b in range(ce.shape[0]):
+        P, s_prod = np.zeros(ce.shape[1]), 1.0
+        for k in range(ce.shape[1]):
+            s = (1 - alpha) * np.exp(-ce[b, k]) + alpha if trained[b, k] else 1.0
+            s_prod *= s
+            P[k] = s_prod
+        for k in range(ce.shape[1]):
+            if trained[b, k]:
+                w[b, k] = sum(P[m] for m in range(k, ce.shape[1]) if trained[b, m])
+    return w
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.8])
+def test_dpace_weights_match_the_formula(alpha):
+    ce = np.array(
+        [
+            [0.1, 0.7, 2.0, 0.3, 1.5, 0.05, 3.0],
+            [0.2, 0.4, 0.9, 1.1, 0.0, 0.6, 0.8],
+            [1.0, 2.0, 0.3, 0.1, 0.2, 0.3, 0.4],
+        ],
+        np.float32,
+    )
+    trained = np.array(
+        [
+            [1, 1, 0, 1, 1, 0, 0],  # untrained slots in the middle and at the end
+            [1, 1, 1, 1, 1, 1, 1],
+            [1, 0, 0, 0, 0, 0, 0],
+        ],
+        bool,
+    )
+    want = dpace_reference(ce.astype(np.float64), trained, alpha)
+    got = np.asarray(dpace_weights(jnp.asarray(ce), jnp.asarray(trained), alpha))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    loss = weighted_slot_loss(jnp.asarray(ce), jnp.asarray(trained), scheme="dpace", dpace_alpha=alpha)
+    np.testing.assert_allclose(float(loss), (want * ce).sum() / trained.sum(), rtol=1e-6)
+
+
+def test_dpace_weights_carry_no_gradient():
+    ce = jnp.array([[0.3, 0.9, 1.2]])
+    trained = jnp.array([[True, True, True]])
+    grad = jax.grad(lambda c: weighted_slot_loss(c, trained, scheme="dpace"))(ce)
+    w = dpace_weights(ce, trained, 0.5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(w) / 3, rtol=1e-6)
