@@ -61,8 +61,9 @@ class TrainSection:
     b2: float = 0.95
     grad_clip: float = 1.0
     loss: Literal["ce", "kl"] = "ce"  # ce (target argmax) | kl (full target distribution)
-    loss_weighting: Literal["decay", "uniform"] = "decay"  # decay | uniform
-    gamma: float | None = None  # default by block size: 16 -> 7, 10 -> 5, 8 -> 4
+    loss_weighting: Literal["decay", "uniform", "dpace"] = "decay"  # see training/loss.py
+    gamma: float | None = None  # decay only; default by block size: 16 -> 7, 10 -> 5, 8 -> 4
+    dpace_alpha: float = 0.5  # dpace only: s_k = (1 - alpha) exp(-CE_k) + alpha
     loss_chunk: int = 1024
     compute_dtype: ComputeDtype = (
         "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
@@ -84,6 +85,8 @@ class TrainSection:
             raise ValueError("train.learning_rate must be > 0 and train.end_lr_ratio in [0, 1]")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"train.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "loss_chunk"):

@@ -19,8 +19,8 @@ import optax
 from flax import nnx
 
 from dflash_jax.dtypes import to_dtype
-from dflash_jax.training.anchors import block_positions, sample_anchors
-from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights, target_argmax
+from dflash_jax.training.anchors import sample_anchors, slot_targets
+from dflash_jax.training.loss import block_metrics, chunked_token_loss, target_argmax, weighted_slot_loss
 
 if TYPE_CHECKING:
     from dflash_jax.training.run_config import TrainSection
@@ -52,18 +52,6 @@ def target_pass(target, batch, layer_ids: tuple[int, ...]):
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
 
 
-def labels_and_mask(anchors, anchor_valid, loss_mask, block_size: int):
-    """For slots 1..B-1: the position whose target logits label the slot (anchor+k-1) and whether
-    the slot is trained (valid anchor and the predicted token anchor+k inside the loss mask)."""
-    T = loss_mask.shape[1]
-    pos = block_positions(anchors, block_size, T)  # [R,A,B] anchor+k
-    label_pos = pos[..., :-1]  # anchor+k-1 for k = 1..B-1
-    predicted = pos[..., 1:]  # anchor+k
-    in_mask = jnp.take_along_axis(loss_mask.astype(bool), predicted.reshape(predicted.shape[0], -1), axis=1)
-    item_mask = anchor_valid[..., None] & in_mask.reshape(predicted.shape)
-    return label_pos, item_mask
-
-
 def gather_positions(x, pos):
     """x [R,T,...] at pos [R,...] -> [R,..., ...]: per-row gather along T."""
     R = x.shape[0]
@@ -72,13 +60,17 @@ def gather_positions(x, pos):
     return jnp.take_along_axis(x, idx, axis=1).reshape(*pos.shape, *x.shape[2:])
 
 
-def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: TrainSection):
+def block_loss(
+    draft, hidden, anchors, anchor_valid, loss_mask, segment_ids, lm_head, cfg: TrainSection, draft_logits=None
+):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
-    draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
+    draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state;
+    draft_logits: the drafter's logits function, [C,D] -> [C,V] (``drafter.logits``, the one
+    decoding uses; None: plain lm_head). Which slots train: ``anchors.slot_targets``.
     """
     R, A, B, D = draft.shape
-    label_pos, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
+    label_pos, item_mask = slot_targets(anchors, anchor_valid, loss_mask, segment_ids, B)
     dtype = to_dtype(cfg.compute_dtype)
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
@@ -92,14 +84,19 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: Tr
         draft[:, :, 1:].reshape(-1, D),
         target_h,
         lm_head,
+        draft_logits=draft_logits,
         kind=cfg.loss,
         chunk=cfg.loss_chunk,
         compute_dtype=dtype,
         labels=slot_labels,
     )
-    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
-    weights = (item_mask * w).reshape(-1)
-    loss = jnp.sum(loss_i * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    loss = weighted_slot_loss(
+        loss_i.reshape(R, A, B - 1),
+        item_mask,
+        scheme=cfg.loss_weighting,
+        gamma=cfg.gamma,
+        dpace_alpha=cfg.dpace_alpha,
+    )
     per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
     return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
 
@@ -117,12 +114,22 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         k_anchor,
         batch["loss_mask"],
         batch["segment_ids"],
-        block_size=drafter.config.block_size,
         max_anchors=cfg.max_anchors,
     )
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
     draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
-    loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
+    dtype = to_dtype(cfg.compute_dtype)
+    loss, extra = block_loss(
+        draft,
+        hidden,
+        anchors,
+        valid,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        target.lm_head_weight(),
+        cfg,
+        draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype),
+    )
     metrics = {
         "loss": loss,
         "streak": extra["streak"],
