@@ -170,3 +170,100 @@ def test_dpace_weights_carry_no_gradient():
     grad = jax.grad(lambda c: weighted_slot_loss(c, trained, scheme="dpace"))(ce)
     w = dpace_weights(ce, trained, 0.5)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(w) / 3, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- the real step
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    from hf_fixtures import save_hf_model
+
+    return save_hf_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=5)
+
+
+def step_batch(R=4, T=48, vocab=512, seed=0):
+    """Packed rows: two documents per row, replies with a user turn in between."""
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(R, T)).astype(np.int32)
+    seg = np.ones((R, T), np.int32)
+    seg[:, T // 2 :] = 2
+    seg[R - 1, T - 5 :] = 0  # padding
+    positions = np.where(seg == 2, np.arange(T) - T // 2, np.arange(T)).astype(np.int32)
+    positions[seg == 0] = 0
+    mask = np.zeros((R, T), np.int32)
+    mask[:, 5:14] = mask[:, 17:22] = 1  # reply, 3-token user turn, reply
+    mask[:, T // 2 + 4 : T - 6] = 1
+    return {
+        "input_ids": ids,
+        "positions": positions,
+        "segment_ids": seg,
+        "loss_mask": mask,
+    }
+
+
+def test_loss_uses_the_decoding_logits_function(tiny_target_dir):
+    """With logit_scale != 1 and a soft-cap, the loss the step computes is the CE of the logits
+    decoding uses (``drafter.logits``), not of the raw lm_head."""
+    import dflash_jax
+    from dflash_jax.drafter.api import init_drafter
+    from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.step import drafter_loss, target_pass
+
+    target = dflash_jax.load_target(tiny_target_dir)
+    dcfg = dflash_jax.DrafterConfig.for_target(
+        target.config, num_layers=1, mask_token_id=7, block_size=B, logit_scale=2.5, logit_softcap=4.0
+    )
+    drafter = init_drafter(dcfg, target, 0)
+    batch = {k: jnp.asarray(v) for k, v in step_batch().items()}
+    cfg = TrainSection(max_anchors=6, loss_weighting="uniform", loss_chunk=16)
+    key = jax.random.key(3)
+    loss, metrics = drafter_loss(drafter, target, batch, key, cfg, with_labels=True)
+
+    # Decoding's side: the same blocks, logits through drafter.logits (what speculative.py calls).
+    k_anchor, _ = jax.random.split(key)
+    anchors, valid = sample_anchors(k_anchor, batch["loss_mask"], batch["segment_ids"], max_anchors=6)
+    features, _ = target_pass(target, batch, dcfg.target_layer_ids)
+    embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
+    hidden = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
+    logits = np.asarray(drafter.logits(hidden[:, :, 1:], target), np.float64)
+    assert np.abs(logits).max() <= 4.0 + 1e-5, "the soft-cap applies"
+    _, trained = slot_targets(anchors, valid, batch["loss_mask"], batch["segment_ids"], B)
+    trained, labels = np.asarray(trained), np.asarray(metrics["labels"])
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    want = ce[trained].mean()
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    raw = np.asarray(hidden[:, :, 1:] @ target.lm_head_weight(), np.float64)
+    raw_logp = raw - np.log(np.exp(raw).sum(-1, keepdims=True))
+    raw_ce = -np.take_along_axis(raw_logp, labels[..., None], -1)[..., 0]
+    assert abs(raw_ce[trained].mean() - want) > 1e-2, "the check must tell the two logits apart"
+
+
+def test_dpace_loss_is_the_same_on_one_and_eight_devices(tiny_target_dir):
+    """The normalisation (the global trained-slot count) does not depend on the batch split."""
+    import dflash_jax
+    from dflash_jax.drafter.api import init_drafter
+    from dflash_jax.sharding import BATCH_AXES, MeshConfig, logical_sharding, make_mesh, shard_module
+    from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.step import make_eval_step
+
+    cfg = TrainSection(max_anchors=8, loss_weighting="dpace", loss_chunk=32)
+    eval_step = make_eval_step(cfg)
+    host = step_batch(R=4)
+    out = {}
+    for name, layout in (("one", MeshConfig(num_devices=1, data=1)), ("eight", MeshConfig(data=2, tensor=4))):
+        mesh = make_mesh(layout)
+        target = dflash_jax.load_target(tiny_target_dir, mesh=mesh)
+        dcfg = dflash_jax.DrafterConfig.for_target(target.config, num_layers=1, mask_token_id=7, block_size=B)
+        drafter = init_drafter(dcfg, target, 0)
+        shard_module(drafter, mesh)
+        sharding = logical_sharding(mesh, BATCH_AXES)
+        batch = {k: jax.device_put(jnp.asarray(v), sharding) for k, v in host.items()}
+        with jax.set_mesh(mesh):
+            m = eval_step(drafter, target, batch, jax.random.key(0))
+        if name == "eight":
+            assert len(batch["input_ids"].sharding.device_set) == 8
+            assert len(drafter.fc[...].sharding.device_set) == 8
+        out[name] = float(m["loss"])
+    assert out["one"] > 0
+    np.testing.assert_allclose(out["eight"], out["one"], atol=1e-5, rtol=0)

@@ -220,10 +220,10 @@ class DFlashDrafter(nnx.Module):
     def logits(self, hidden: jax.Array, target, *, compute_dtype=None) -> jax.Array:
         """Drafter hidden [..., D] -> fp32 logits [..., V] through the target's lm_head (+ z-lab's
         output multiplier / soft-cap when configured). Decoding and the training loss both call
-        this. ``compute_dtype``: the matmul's input dtype (default: hidden's); it accumulates in fp32."""
-        dtype = hidden.dtype if compute_dtype is None else compute_dtype
-        w = jax.lax.stop_gradient(target.lm_head_weight()).astype(dtype)
-        out = jnp.einsum("...D,DV->...V", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
+        this. ``compute_dtype``: the matmul's input dtype (default: hidden's)."""
+        if compute_dtype is not None:
+            hidden = hidden.astype(compute_dtype)
+        out = target.logits(hidden).astype(jnp.float32)
         if self.config.logit_scale != 1.0:
             out = out * self.config.logit_scale
         if self.config.logit_softcap is not None:
