@@ -71,10 +71,15 @@ def run(
     if cfg.regen.enabled:
         data_cfg, heldout_cfg = data_configs(cfg, *regenerated_data(cfg, target, tokenizer, target_dir))
 
-    dcfg = setup.build_drafter_config(cfg, target, tokenizer)
+    warm_path = init_from or cfg.drafter.init_from
+    source = setup.load_warm_start(warm_path, target) if warm_path else None
+    dcfg = setup.build_drafter_config(
+        cfg, target, tokenizer, source=None if source is None else source.config, source_path=warm_path
+    )
     drafter = init_drafter(dcfg, target, cfg.train.seed)
-    if init_from or cfg.drafter.init_from:
-        setup.init_params_from(drafter, init_from or cfg.drafter.init_from, target)
+    if source is not None:
+        setup.init_params_from(drafter, source, warm_path)
+        del source
     shard_module(drafter, mesh)
     optimizer = nnx.Optimizer(drafter, make_optimizer(cfg.train), wrt=nnx.Param)
     train_step, eval_step = make_train_step(cfg.train), make_eval_step(cfg.train)

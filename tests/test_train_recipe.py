@@ -267,3 +267,72 @@ def test_dpace_loss_is_the_same_on_one_and_eight_devices(tiny_target_dir):
         out[name] = float(m["loss"])
     assert out["one"] > 0
     np.testing.assert_allclose(out["eight"], out["one"], atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def zlab_drafter_for_tiny(directory):
+    """A z-lab drafter (written by z-lab's own DFlashDraftModel) for configs/tiny.yaml's target:
+    a sliding and a full layer, a non-default mask token, taps in a non-sorted order."""
+    torch = pytest.importorskip("torch")
+    dm = pytest.importorskip("dflash.model")
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        use_sliding_window=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        num_target_layers=4,
+        block_size=4,
+        dflash_config={"mask_token_id": 7, "target_layer_ids": [3, 1]},
+    )
+    dm.DFlashDraftModel(cfg).save_pretrained(directory)
+    return directory
+
+
+def test_warm_start_keeps_the_source_drafters_shape(tmp_path):
+    import json
+
+    from convert import drafter_to_hf
+    from dflash_jax.config_io import ConfigError
+    from dflash_jax.train import run
+    from dflash_jax.training.run_config import load_run_config
+
+    dm = pytest.importorskip("dflash.model")
+    src = zlab_drafter_for_tiny(tmp_path / "zlab")
+    common = [f"drafter.init_from={src}", "drafter.num_layers=null", "eval.num_prompts=0"]
+    cfg = load_run_config(
+        "tiny", [f"output_dir={tmp_path / 'run'}", *common, "train.steps=1", "train.warmup_steps=0"]
+    )
+    result = run(cfg, quiet=True)
+    assert result["step"] == 1
+    out = drafter_to_hf.export(tmp_path / "run", tmp_path / "export")
+    orig, new = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    for key in ("layer_types", "sliding_window", "use_sliding_window", "block_size", "num_target_layers"):
+        assert new[key] == orig[key], key
+    assert new["intermediate_size"] == 96 and new["num_hidden_layers"] == 2
+    assert new["dflash_config"]["mask_token_id"] == 7
+    assert new["dflash_config"]["target_layer_ids"] == [3, 1]
+    model = dm.DFlashDraftModel.from_pretrained(out)  # z-lab reads it back
+    assert model.target_layer_ids == [3, 1] and model.block_size == 4
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [8, None]
+
+    # A config value that contradicts the source is an error naming both values.
+    bad = load_run_config("tiny", [f"output_dir={tmp_path / 'bad'}", *common, "drafter.mask_token_id=5"])
+    with pytest.raises(ConfigError, match=r"mask_token_id=5 conflicts .* mask_token_id=7"):
+        run(bad, quiet=True)
+    bad = load_run_config("tiny", [f"output_dir={tmp_path / 'bad2'}", f"drafter.init_from={src}"])
+    with pytest.raises(ConfigError, match=r"num_layers=1 conflicts .* num_layers=2"):
+        run(bad, quiet=True)

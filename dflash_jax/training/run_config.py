@@ -13,7 +13,7 @@ from typing import Literal
 
 from dflash_jax.config_io import ConfigError, apply_overrides, check_fields, from_dict, load_yaml, to_dict
 from dflash_jax.data.pipeline import DataConfig
-from dflash_jax.drafter.config import AttentionImpl, require_pallas_kernel
+from dflash_jax.drafter.config import AttentionImpl, LayerType, require_pallas_kernel
 from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
@@ -35,11 +35,23 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    num_layers: int = 1
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None  # default: a special token of the tokenizer (see train.py)
+    """The drafter's shape. A field left unset (None) comes from the warm-start source
+    (``init_from``) when there is one, else from the default noted; a field set here that
+    disagrees with the source is an error naming both values (see training/setup.py).
+
+    The Qwen3.6-27B drafter of z-lab/SpecForge, for example: ``num_layers: 5``, ``layer_types:
+    [sliding_attention, sliding_attention, sliding_attention, sliding_attention, full_attention]``,
+    ``sliding_window: 2048``, ``target_layer_ids: [1, 16, 31, 46, 61]``.
+    """
+
+    num_layers: int | None = None  # default 1
+    block_size: int | None = None  # default 16
+    target_layer_ids: tuple[int, ...] | None = None  # default: z-lab's spacing over the target
+    mask_token_id: int | None = None  # default: a special token of the tokenizer (see setup.py)
     intermediate_size: int | None = None  # default: the target's
+    layer_types: tuple[LayerType, ...] | None = None  # per layer; default: all full_attention
+    sliding_window: int | None = None  # positions a sliding_attention layer sees
+    causal_in_block: bool | None = None  # default: z-lab's rule (sliding layers causal in a block)
     attention_impl: AttentionImpl = "xla"
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
