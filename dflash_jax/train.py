@@ -101,6 +101,15 @@ def run(
             data_iter.set_state(meta["data_state"])
         log.info("resumed from step %d", start_step)
 
+    # The learning-rate schedule's length, once estimated from the time budget, stays fixed
+    # across resumes (see training/loop.py).
+    schedule_file = run_dir / "lr_schedule.json"
+    decay_steps = None
+    if resume and schedule_file.is_file():
+        decay_steps = int(json.loads(schedule_file.read_text())["decay_steps"])
+    elif not resume:
+        schedule_file.unlink(missing_ok=True)
+
     batch_sharding = logical_sharding(mesh, BATCH_AXES)
 
     def put(batch):  # this process's rows -> global arrays, rows over the data axes
@@ -150,10 +159,17 @@ def run(
             start_step=start_step,
             stop_at_step=stop_at_step,
             quiet=quiet,
+            decay_steps=decay_steps,
+            on_decay_steps=lambda n: schedule_file.write_text(json.dumps({"decay_steps": n})),
         )
         ckpt.close()
         data_iter.close()
-        result.update(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
+        result.update(
+            step=done.step,
+            interrupted=done.interrupted,
+            train_seconds=done.train_seconds,
+            lr_decay_steps=done.decay_steps,
+        )
         if done.last:
             result.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
         heldout_streak(done.step, "after")

@@ -336,3 +336,71 @@ def test_warm_start_keeps_the_source_drafters_shape(tmp_path):
     bad = load_run_config("tiny", [f"output_dir={tmp_path / 'bad2'}", f"drafter.init_from={src}"])
     with pytest.raises(ConfigError, match=r"num_layers=1 conflicts .* num_layers=2"):
         run(bad, quiet=True)
+
+
+# --------------------------------------------------------------------------- learning-rate schedule
+
+
+def test_learning_rate_matches_optax_schedule():
+    import optax
+
+    from dflash_jax.training.loop import learning_rate
+    from dflash_jax.training.run_config import TrainSection
+
+    train = TrainSection(steps=50, warmup_steps=5, learning_rate=1e-3, end_lr_ratio=0.1)
+    for decay_steps in (50, 23):
+        ref = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, decay_steps, 1e-4)
+        got = [learning_rate(train, s, decay_steps) for s in range(50)]
+        np.testing.assert_allclose(got, [float(ref(s)) for s in range(50)], rtol=1e-5, atol=1e-9)
+
+
+class _Clock:
+    """Seconds that advance only when a step runs: 30 s to compile, then 2 s a step."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_time_budget_sets_the_schedule_length():
+    """With a 1-minute budget and 2 s steps (after a 30 s compile), ~15 steps fit: the rate is
+    decayed by the last of them, although train.steps is 400."""
+    from dflash_jax.training.loop import TIMED_STEPS, train_loop
+    from dflash_jax.training.run_config import TrainSection
+
+    clock = _Clock()
+    rates = []
+
+    def train_step(drafter, optimizer, target, batch, key, lr):
+        clock.t += 30.0 if not rates else 2.0
+        rates.append(float(lr))
+        return {"loss": jnp.float32(1.0), "tokens": jnp.int32(10), "streak": jnp.float32(1.0)}
+
+    class Logger:
+        def log(self, step, metrics):
+            pass
+
+    told = []
+    train = TrainSection(steps=400, warmup_steps=2, learning_rate=1e-3, time_limit_minutes=1.0, log_every=5)
+    done = train_loop(
+        train,
+        train_step=train_step,
+        drafter=None,
+        optimizer=None,
+        target=None,
+        data_iter=iter(range(10**6)),
+        put=lambda b: b,
+        save=lambda step, force: None,
+        logger=Logger(),
+        quiet=True,
+        on_decay_steps=told.append,
+        clock=clock,
+    )
+    # 30 s compile + 2 s/step: after 1 + TIMED_STEPS steps (36 s), (60 - 36) / 2 = 12 more fit.
+    assert told == [1 + TIMED_STEPS + 12] == [done.decay_steps]
+    assert done.step == 17  # the budget check stops after the first step past 60 s
+    assert rates[done.decay_steps - 1] < 0.12e-3, "decayed to ~end_lr by the last step that fits"
+    assert rates[done.decay_steps] == rates[-1] == pytest.approx(1e-4), "end_lr past the estimate"
+    assert rates[2] == pytest.approx(1e-3)  # warm-up done, peak

@@ -149,7 +149,9 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_
     if "mask_token_id" not in shape:
         shape["mask_token_id"] = choose_mask_token_id(tokenizer, target.config.vocab_size)
     num_layers, mask_id = shape.pop("num_layers"), shape.pop("mask_token_id")
-    return DrafterConfig.for_target(target.config, num_layers=num_layers, mask_token_id=mask_id, **shape, **impl)
+    return DrafterConfig.for_target(
+        target.config, num_layers=num_layers, mask_token_id=mask_id, **shape, **impl
+    )
 
 
 def tuple_if_list(value):

@@ -26,17 +26,29 @@ if TYPE_CHECKING:
     from dflash_jax.training.run_config import TrainSection
 
 
+def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
+    """``-learning_rate * updates`` with the rate passed to every update call (``learning_rate=``)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, learning_rate, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: (-learning_rate * u).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
-        decay_steps=train_cfg.steps,
-        end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
-    )
+    """AdamW as ``optax.adamw`` builds it (Adam, decoupled weight decay, times -rate) after global
+    norm clipping; the rate is an argument of each step, so the loop can fix the schedule's length
+    once it knows how many steps fit in the time budget (``loop.learning_rate``)."""
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
-        optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, weight_decay=train_cfg.weight_decay),
+        optax.scale_by_adam(b1=train_cfg.b1, b2=train_cfg.b2),
+        optax.add_decayed_weights(train_cfg.weight_decay),
+        scale_by_learning_rate_arg(),
     )
 
 
@@ -61,7 +73,15 @@ def gather_positions(x, pos):
 
 
 def block_loss(
-    draft, hidden, anchors, anchor_valid, loss_mask, segment_ids, lm_head, cfg: TrainSection, draft_logits=None
+    draft,
+    hidden,
+    anchors,
+    anchor_valid,
+    loss_mask,
+    segment_ids,
+    lm_head,
+    cfg: TrainSection,
+    draft_logits=None,
 ):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
@@ -144,13 +164,14 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
 
 def make_train_step(cfg: TrainSection):
     @nnx.jit(donate_argnums=(0, 1))
-    def train_step(drafter, optimizer, target, batch, key):
+    def train_step(drafter, optimizer, target, batch, key, learning_rate):
         def loss_fn(model):
             return drafter_loss(model, target, batch, key, cfg)
 
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
         metrics["grad_norm"] = optax.global_norm(grads)
-        optimizer.update(drafter, grads)
+        optimizer.update(drafter, grads, learning_rate=learning_rate)
+        metrics["learning_rate"] = learning_rate
         return metrics
 
     return train_step
