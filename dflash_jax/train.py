@@ -45,10 +45,10 @@ def run(
     from transformers import AutoTokenizer
 
     import dflash_jax
+    from dflash_jax.checkpoint import Checkpointer
     from dflash_jax.data.pipeline import make_train_iterator, to_global_batch
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.training import evaluation, setup
-    from dflash_jax.training.checkpoint import Checkpointer
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, plot_metrics
     from dflash_jax.training.regen_cache import data_configs, regenerated_data

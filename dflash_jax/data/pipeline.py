@@ -69,7 +69,7 @@ class DataConfig:
     prefetch:       buffered batches (and per-worker buffered documents)
     """
 
-    sources: tuple[str, ...] = (data_sources.SHAREGPT,)
+    sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple
     max_length: int = 2048
     batch_size: int = 8
     seed: int = 0

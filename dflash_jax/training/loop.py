@@ -59,7 +59,7 @@ class LoopResult:
 def learning_rate(train: TrainSection, step: int, decay_steps: int) -> float:
     """The rate of update ``step`` (0-based): what ``optax.warmup_cosine_decay_schedule(0, peak,
     warmup_steps, decay_steps, end)`` gives, with ``decay_steps`` chosen at run time."""
-    peak, warmup = train.learning_rate, train.warmup_steps
+    peak, warmup = train.learning_rate, min(train.warmup_steps, train.steps - 1)
     end = peak * train.end_lr_ratio
     if step < warmup:
         return peak * step / warmup
@@ -134,7 +134,8 @@ def train_loop(
                 fit = steps_that_fit(
                     step, now - t_train, (now - compiled_at) / (step - compiled_step), 60 * limit
                 )
-                decay_steps, estimate = min(train.steps, max(fit, train.warmup_steps + 1)), False
+                warmup = min(train.warmup_steps, train.steps - 1)
+                decay_steps, estimate = min(train.steps, max(fit, warmup + 1)), False
                 log.info("learning rate decays over %d steps (what fits in %.1f min)", decay_steps, limit)
                 if on_decay_steps is not None:
                     on_decay_steps(decay_steps)

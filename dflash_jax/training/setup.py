@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from dflash_jax import assets
+from convert.smollm2 import smollm2_dir
 from dflash_jax.config_io import ConfigError
 from dflash_jax.training.run_config import RunConfig, TargetSection
 
@@ -79,12 +79,12 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
 
     t = cfg.target
     if t.path == "tiny":
-        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else assets.smollm2_dir()
+        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
         return make_tiny_target_dir(t, vocab, run_dir / "tiny_target"), tok_dir
-    target_dir = assets.smollm2_dir() if t.path == "smollm2" else Path(t.path)
+    target_dir = smollm2_dir() if t.path == "smollm2" else Path(t.path)
     tok = t.tokenizer
-    tok_dir = assets.smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
+    tok_dir = smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
     return target_dir, tok_dir
 
 
@@ -119,7 +119,7 @@ SHAPE_DEFAULTS = {"num_layers": 1, "block_size": 16}
 
 def load_warm_start(path: str, target):
     """The drafter to warm-start from (a z-lab HF dir or one of our checkpoint dirs)."""
-    from dflash_jax.drafter.api import load_drafter
+    from dflash_jax.loading import load_drafter
 
     return load_drafter(path, target)
 
