@@ -158,18 +158,33 @@ def weighted_slot_loss(
     gamma: float | None = None,
     dpace_alpha: float = 0.5,
 ) -> jax.Array:
-    """Scalar training loss from per-slot losses [..., B-1] (slots 1..B-1) and their mask.
+    """Scalar training loss from per-slot losses [R, A, B-1] (slots 1..B-1) and their mask.
 
     decay/uniform: the weighted mean over trained slots; dpace: ``sum w_k CE_k`` divided by the
     global number of trained slots (see the module docstring). Sums run over the whole array.
     """
+    total = slot_loss_sum(loss, trained, scheme=scheme, gamma=gamma, dpace_alpha=dpace_alpha)
+    return total / slot_loss_denominator(trained, scheme=scheme, gamma=gamma)
+
+
+def slot_loss_sum(loss, trained, *, scheme="decay", gamma=None, dpace_alpha=0.5) -> jax.Array:
+    """The numerator: ``sum_k w_k loss_k`` over trained slots (rows may be a micro-batch: D-PACE
+    weights depend only on each block's own slots)."""
     trained = trained.astype(bool)
     if scheme == "dpace":
-        w = dpace_weights(loss, trained, dpace_alpha)
-        return pairwise_sum(loss * w) / jnp.maximum(jnp.sum(trained), 1)
-    block_size = loss.shape[-1] + 1
-    w = slot_weights(block_size, gamma, scheme)[1:] * trained
-    return pairwise_sum(loss * w) / jnp.maximum(pairwise_sum(w), 1e-6)
+        return pairwise_sum(loss * dpace_weights(loss, trained, dpace_alpha))
+    w = slot_weights(loss.shape[-1] + 1, gamma, scheme)[1:] * trained
+    return pairwise_sum(loss * w)
+
+
+def slot_loss_denominator(trained, *, scheme="decay", gamma=None) -> jax.Array:
+    """The normaliser, over the whole batch: the trained-slot count (dpace) or the sum of the
+    trained slots' weights (decay/uniform)."""
+    trained = trained.astype(bool)
+    if scheme == "dpace":
+        return jnp.maximum(jnp.sum(trained), 1).astype(jnp.float32)
+    w = slot_weights(trained.shape[-1] + 1, gamma, scheme)[1:] * trained
+    return jnp.maximum(pairwise_sum(w), 1e-6)
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
