@@ -215,7 +215,8 @@ def _train_step_fn(d_graph, t_graph, train_section):
     def step(state, t_state, batch, key):
         drafter, optimizer = nnx.merge(d_graph, state)
         target = nnx.merge(t_graph, t_state)
-        metrics = apply_train_step(drafter, optimizer, target, batch, key, train_section)
+        lr = jnp.float32(train_section.learning_rate)  # the rate is a traced argument of the step
+        metrics = apply_train_step(drafter, optimizer, target, batch, key, train_section, lr)
         return nnx.state((drafter, optimizer)), metrics
 
     return step

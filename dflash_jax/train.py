@@ -100,10 +100,15 @@ def run(
     if cfg.regen.enabled:
         data_cfg, heldout_cfg = data_configs(cfg, *regenerated_data(cfg, target, tokenizer, target_dir))
 
-    dcfg = setup.build_drafter_config(cfg, target, tokenizer)
+    warm_path = init_from or cfg.drafter.init_from
+    source = setup.load_warm_start(warm_path, target) if warm_path else None
+    dcfg = setup.build_drafter_config(
+        cfg, target, tokenizer, source=None if source is None else source.config, source_path=warm_path
+    )
     drafter = init_drafter(dcfg, target, cfg.train.seed)
-    if init_from or cfg.drafter.init_from:
-        setup.init_params_from(drafter, init_from or cfg.drafter.init_from, target)
+    if source is not None:
+        setup.init_params_from(drafter, source, warm_path)
+        del source
     shard_module(drafter, mesh)
     optimizer = nnx.Optimizer(drafter, make_optimizer(cfg.train), wrt=nnx.Param)
     train_step, eval_step = make_train_step(cfg.train), make_eval_step(cfg.train)
@@ -125,6 +130,15 @@ def run(
         if meta.get("data_state") is not None:
             data_iter.set_state(meta["data_state"])
         log.info("resumed from step %d", start_step)
+
+    # The learning-rate schedule's length, once estimated from the time budget, stays fixed
+    # across resumes (see training/loop.py).
+    schedule_file = run_dir / "lr_schedule.json"
+    decay_steps = None
+    if resume and schedule_file.is_file():
+        decay_steps = int(json.loads(schedule_file.read_text())["decay_steps"])
+    elif not resume:
+        schedule_file.unlink(missing_ok=True)
 
     batch_sharding = logical_sharding(mesh, BATCH_AXES)
 
@@ -179,6 +193,8 @@ def run(
                 quiet=quiet,
                 max_wait_s=data_cfg.max_wait_s,
                 check_saves=ckpt.check,
+                decay_steps=decay_steps,
+                on_decay_steps=lambda n: schedule_file.write_text(json.dumps({"decay_steps": n})),
             )
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
@@ -189,7 +205,7 @@ def run(
         ckpt.close()
         data_iter.close()
         result.update(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
-        result.update(signal=done.signum, skipped_steps=done.skipped_steps)
+        result.update(signal=done.signum, skipped_steps=done.skipped_steps, lr_decay_steps=done.decay_steps)
         if done.last:
             result.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
         heldout_streak(done.step, "after")

@@ -59,7 +59,8 @@ def _one_step(cfg: TrainSection):
     target, dc = _setup()
     drafter = init_drafter(dc, target, 3)
     optimizer = nnx.Optimizer(drafter, optax.sgd(1.0), wrt=nnx.Param)  # update == -gradient
-    step = nnx.jit(lambda d, o, t, b, k: apply_train_step(d, o, t, b, k, cfg))
+    # sgd(1.0) ignores the learning-rate argument of the step
+    step = nnx.jit(lambda d, o, t, b, k: apply_train_step(d, o, t, b, k, cfg, 1.0))
     metrics = step(drafter, optimizer, target, _batch(), jax.random.key(7))
     return get_params(drafter), jax.tree.map(np.asarray, metrics)
 

@@ -117,13 +117,13 @@ def test_nonfinite_step_applies_no_update(tiny_models):
     poisoned.embed_tokens[...] = poisoned.embed_tokens[...] * jnp.nan  # NaN lm_head -> NaN loss
     before_p = _leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
     before_o = _leaves(nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState)))
-    m = step(drafter, optimizer, poisoned, _batch(), jax.random.key(0))
+    m = step(drafter, optimizer, poisoned, _batch(), jax.random.key(0), np.float32(1e-2))
     assert not np.isfinite(float(m["loss"])) and int(m["skipped"]) == 1
     after_p = _leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
     after_o = _leaves(nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState)))
     for a, b in zip(before_p + before_o, after_p + after_o, strict=True):
         np.testing.assert_array_equal(a, b)
-    m = step(drafter, optimizer, target, _batch(), jax.random.key(0))
+    m = step(drafter, optimizer, target, _batch(), jax.random.key(0), np.float32(1e-2))
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
     assert int(optimizer.step[...]) == 1
     changed = [

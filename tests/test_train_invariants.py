@@ -10,7 +10,7 @@ import torch
 from hf_fixtures import prompt_ids, tiny_target
 
 import dflash_jax
-from dflash_jax.training.anchors import anchor_candidates, sample_anchors
+from dflash_jax.training.anchors import anchor_candidates, sample_anchors, slot_targets
 from dflash_jax.training.loss import chunked_token_loss, default_gamma, slot_weights, target_argmax
 from dflash_jax.training.run_config import TrainSection
 from dflash_jax.training.step import block_loss, drafter_loss, target_pass
@@ -50,11 +50,14 @@ def test_labels_are_the_targets_own_next_token_logits(tiny, kind):
     cfg = TrainSection(max_anchors=12, loss=kind, loss_chunk=64)
     _, hidden = target_pass(target, batch, (0, 2))
     anchors, valid = sample_anchors(
-        jax.random.key(0), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=12
+        jax.random.key(0), batch["loss_mask"], batch["segment_ids"], max_anchors=12
     )
     draft = jnp.zeros((2, 12, B, hidden.shape[-1]))
-    _, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
+    _, extra = block_loss(
+        draft, hidden, anchors, valid, batch["loss_mask"], batch["segment_ids"], target.lm_head_weight(), cfg
+    )
     labels = np.asarray(extra["labels"])
+    trained = np.asarray(slot_targets(anchors, valid, batch["loss_mask"], batch["segment_ids"], B)[1])
 
     # Reference: transformers on each document separately (its true final logits).
     ids = np.asarray(batch["input_ids"])
@@ -73,24 +76,27 @@ def test_labels_are_the_targets_own_next_token_logits(tiny, kind):
             p = anchors[r, j]
             s = seg_ids[r, p]
             start = docs[(r, s)][0]
-            for k in range(1, B):
+            for k in np.nonzero(trained[r, j])[0] + 1:  # the slots the loss trains
                 want = int(np.argmax(ref_logits[(r, s)][p + k - 1 - start]))
                 assert labels[r, j, k - 1] == want, (r, j, k)
                 checked += 1
     assert checked >= 12 * (B - 1)
 
 
-def test_anchors_inside_loss_mask_with_room_for_the_block():
-    """Invariant 5: anchors lie in the loss mask, the whole block stays in the anchor's document."""
+def test_anchors_are_reply_positions_whose_next_token_is_trained():
+    """Invariant 5: an anchor p has loss_mask[p] and loss_mask[p+1] in the same document; a block
+    need not fit in the document (its slots past the reply simply do not train)."""
     batch = packed_batch()
-    cand = np.asarray(anchor_candidates(batch["loss_mask"], batch["segment_ids"], B))
+    cand = np.asarray(anchor_candidates(batch["loss_mask"], batch["segment_ids"]))
     seg = np.asarray(batch["segment_ids"])
     lm = np.asarray(batch["loss_mask"])
-    for r, p in zip(*np.nonzero(cand), strict=True):
-        assert lm[r, p] == 1 and p + B - 1 < seg.shape[1] and seg[r, p + B - 1] == seg[r, p]
-    assert not cand[0, 93:100].any()  # the last B-1 positions of document 1 have no room
+    want = np.zeros_like(cand)
+    want[:, :-1] = (lm[:, :-1] == 1) & (lm[:, 1:] == 1) & (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
+    np.testing.assert_array_equal(cand, want)
+    assert cand[0, 88] and not cand[0, 89], "the last reply token but one starts a block, the last does not"
+    assert cand[1, 190] and not cand[1, 191], "nor does the last position of the row"
     anchors, valid = sample_anchors(
-        jax.random.key(3), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=400
+        jax.random.key(3), batch["loss_mask"], batch["segment_ids"], max_anchors=400
     )
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     for r in range(2):
@@ -107,13 +113,13 @@ def test_slot_zero_carries_no_loss_and_slot_one_does(tiny):
     cfg = TrainSection(max_anchors=8)
     _, hidden = target_pass(target, batch, (0, 2))
     anchors, valid = sample_anchors(
-        jax.random.key(1), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=8
+        jax.random.key(1), batch["loss_mask"], batch["segment_ids"], max_anchors=8
     )
     draft = jax.random.normal(jax.random.key(2), (2, 8, B, hidden.shape[-1]))
     W = target.lm_head_weight()
 
     def loss(d):
-        return block_loss(d, hidden, anchors, valid, batch["loss_mask"], W, cfg)[0]
+        return block_loss(d, hidden, anchors, valid, batch["loss_mask"], batch["segment_ids"], W, cfg)[0]
 
     grad = np.asarray(jax.grad(loss)(draft))
     assert np.all(grad[:, :, 0] == 0), "slot 0 must not influence the loss"

@@ -31,7 +31,9 @@ def test_resume_is_exact(tmp_path):
     for when in ("before", "after"):
         rep = straight[f"eval_{when}"]
         assert rep["num_prompts"] == 2 and rep["verify_steps"] > 0
-        assert 1.0 <= straight[f"tau_{when}"] <= 4.0
+        s = rep["summary"]  # every output token past each prompt's first came from a verify step
+        assert rep["tau_pooled"] * rep["verify_steps"] == pytest.approx(s["output_tokens"] - 2)
+        assert straight[f"tau_{when}"] == s["tau"]
         assert (tmp_path / "a" / f"eval_{when}.json").is_file()
     first = run(tiny(tmp_path / "b", *common), quiet=True, stop_at_step=3)
     assert first["step"] == 3

@@ -217,10 +217,13 @@ class DFlashDrafter(nnx.Module):
             target, block_token_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
         )
 
-    def logits(self, hidden: jax.Array, target) -> jax.Array:
-        """Drafter hidden [..., D] -> logits [..., V] through the target's lm_head (+ z-lab's
-        output multiplier / soft-cap when configured)."""
-        out = target.logits(hidden)
+    def logits(self, hidden: jax.Array, target, *, compute_dtype=None) -> jax.Array:
+        """Drafter hidden [..., D] -> fp32 logits [..., V] through the target's lm_head (+ z-lab's
+        output multiplier / soft-cap when configured). Decoding and the training loss both call
+        this. ``compute_dtype``: the matmul's input dtype (default: hidden's)."""
+        if compute_dtype is not None:
+            hidden = hidden.astype(compute_dtype)
+        out = target.logits(hidden).astype(jnp.float32)
         if self.config.logit_scale != 1.0:
             out = out * self.config.logit_scale
         if self.config.logit_softcap is not None:

@@ -153,9 +153,10 @@ class TargetModel(nnx.Module):
         return self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """lm_head only (hidden already final-normed): [..., D] -> [..., V]."""
+        """lm_head only (hidden already final-normed): [..., D] -> fp32 [..., V] (the matmul runs in
+        hidden's dtype and accumulates in fp32)."""
         w = self.lm_head_weight()
-        return jnp.einsum("...D,DV->...V", hidden, w.astype(hidden.dtype))
+        return jnp.einsum("...D,DV->...V", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def init_cache(self, batch: int, capacity: int, dtype: Any = None) -> KVCache:
         c = self.config

@@ -1,8 +1,16 @@
-"""Anchor sampling: where each training block starts (invariant 5).
+"""Anchor sampling and per-slot training masks: where each block starts, which slots train
+(invariant 5).
 
-An anchor p is a position inside the loss mask whose block p..p+B-1 stays inside p's document.
-Up to ``max_anchors`` are drawn uniformly without replacement per row and returned sorted; rows
-with fewer candidates get padded anchors (``valid`` False) placed after the real ones.
+An anchor is any position a with ``loss_mask[a]`` and ``loss_mask[a+1]`` in the same document:
+at inference every reply ends inside some block, so blocks may start anywhere in a reply, even
+in its last token but one. Slot k (1..B-1) of the block at a predicts token a+k and is trained
+iff every token a+1..a+k is in the loss mask of a's document (a running product along the
+slots): a block is cut at the end of its reply and never reaches into the next turn or document,
+even if a later reply of the same document is back inside the loss mask. Slots past the end of
+the row are untrained, never wrapped or clipped onto real positions.
+
+Up to ``max_anchors`` anchors are drawn uniformly without replacement per row and returned
+sorted; rows with fewer candidates get padded anchors (``valid`` False) after the real ones.
 """
 
 from __future__ import annotations
@@ -11,20 +19,18 @@ import jax
 import jax.numpy as jnp
 
 
-def anchor_candidates(loss_mask: jax.Array, segment_ids: jax.Array, block_size: int) -> jax.Array:
-    """[R,T] bool: positions that may start a block."""
-    R, T = segment_ids.shape
-    idx = jnp.arange(T)
-    end = jnp.minimum(idx + block_size - 1, T - 1)
-    same_doc = jnp.take_along_axis(segment_ids, jnp.broadcast_to(end, (R, T)), axis=1) == segment_ids
-    room = (idx + block_size - 1 < T)[None] & same_doc
-    return loss_mask.astype(bool) & room & (segment_ids != 0)
+def anchor_candidates(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """[R,T] bool: positions that may start a block (their slot 1 is trained)."""
+    in_mask = loss_mask.astype(bool) & (segment_ids != 0)
+    nxt_in_mask = jnp.pad(in_mask[:, 1:], ((0, 0), (0, 1)))  # position T has no token: False
+    nxt_same_doc = jnp.pad(segment_ids[:, 1:] == segment_ids[:, :-1], ((0, 0), (0, 1)))
+    return in_mask & nxt_in_mask & nxt_same_doc
 
 
-def sample_anchors(key, loss_mask, segment_ids, *, block_size: int, max_anchors: int):
+def sample_anchors(key, loss_mask, segment_ids, *, max_anchors: int):
     """-> (anchors [R,A] int32 ascending, valid [R,A] bool). Padded anchors point at T-1."""
     R, T = segment_ids.shape
-    cand = anchor_candidates(loss_mask, segment_ids, block_size)
+    cand = anchor_candidates(loss_mask, segment_ids)
     scores = jnp.where(cand, jax.random.uniform(key, (R, T)), -1.0)
     k = min(max_anchors, T)
     top, idx = jax.lax.top_k(scores, k)
@@ -40,6 +46,25 @@ def sample_anchors(key, loss_mask, segment_ids, *, block_size: int, max_anchors:
     return anchors, valid
 
 
-def block_positions(anchors: jax.Array, block_size: int, length: int) -> jax.Array:
-    """[R,A,B] indices anchor+k, clipped into the row (padded anchors stay in range)."""
-    return jnp.minimum(anchors[..., None] + jnp.arange(block_size), length - 1)
+def slot_targets(anchors, anchor_valid, loss_mask, segment_ids, block_size: int):
+    """Which slots of each block train, and where their labels come from.
+
+    anchors, anchor_valid [R,A]; loss_mask, segment_ids [R,T].
+    Returns (label_pos [R,A,B-1] int32, trained [R,A,B-1] bool) for slots k = 1..B-1:
+    ``label_pos`` = a+k-1, the position whose target logits label slot k (invariant 2), for
+    trained slots; untrained slots point at the anchor itself (a real position of the same
+    document, so a gather there is harmless and carries no weight).
+    """
+    R, T = loss_mask.shape
+    k = jnp.arange(1, block_size, dtype=jnp.int32)
+    predicted = anchors[..., None] + k  # [R,A,B-1] a+k, may run past the row
+    inside = predicted < T
+    safe = jnp.where(inside, predicted, 0).reshape(R, -1)
+    in_mask = jnp.take_along_axis(loss_mask.astype(bool), safe, axis=1).reshape(predicted.shape)
+    seg_at = jnp.take_along_axis(segment_ids, safe, axis=1).reshape(predicted.shape)
+    anchor_seg = jnp.take_along_axis(segment_ids, jnp.clip(anchors, 0, T - 1), axis=1)
+    ok = inside & in_mask & (seg_at == anchor_seg[..., None]) & (anchor_seg[..., None] != 0)
+    # The running product: slot k trains only if every token a+1..a+k does.
+    trained = anchor_valid[..., None] & (jnp.cumprod(ok.astype(jnp.int32), axis=-1) == 1)
+    label_pos = jnp.where(trained, predicted - 1, anchors[..., None]).astype(jnp.int32)
+    return label_pos, trained

@@ -10,14 +10,22 @@ not finite applies no update (see ``step.make_train_step``) and is counted; afte
 naming the step and the last checkpoint, which is finite by construction (saves refuse
 non-finite parameters, and skipped steps never change them). Throughput excludes the first
 (compiling) step.
+
+Learning rate: linear warm-up over ``train.warmup_steps``, then a cosine down to
+``end_lr_ratio * learning_rate`` at the schedule's last step. That last step is ``train.steps``,
+or, with ``train.time_limit_minutes``, the number of steps that fit in the budget, estimated once
+from the measured step time after compilation and ``TIMED_STEPS`` more steps (so a time-limited
+run ends with a decayed rate instead of stopping near its peak).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -52,6 +60,9 @@ class StopFlag:
         self.stop = True
         self.signum = signum
         self.reason = signal.Signals(signum).name
+
+
+TIMED_STEPS = 3  # steps after the compiling one that time the step for the budget estimate
 
 
 class BatchWaiter:
@@ -109,8 +120,26 @@ class LoopResult:
     interrupted: bool
     train_seconds: float
     last: dict  # the last logged train metrics (empty if none was logged)
+    decay_steps: int  # the step at which the learning-rate schedule ends
     signum: int | None = None  # the signal that stopped the run, if one did
     skipped_steps: int = 0
+
+
+def learning_rate(train: TrainSection, step: int, decay_steps: int) -> float:
+    """The rate of update ``step`` (0-based): what ``optax.warmup_cosine_decay_schedule(0, peak,
+    warmup_steps, decay_steps, end)`` gives, with ``decay_steps`` chosen at run time."""
+    peak, warmup = train.learning_rate, min(train.warmup_steps, train.steps - 1)
+    end = peak * train.end_lr_ratio
+    if step < warmup:
+        return peak * step / warmup
+    span = max(decay_steps - warmup, 1)
+    progress = min(step - warmup, span) / span
+    return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def steps_that_fit(step: int, elapsed_s: float, step_time_s: float, limit_s: float) -> int:
+    """The step count reached when the budget ``limit_s`` runs out, at ``step_time_s`` per step."""
+    return step + max(0, int((limit_s - elapsed_s) / max(step_time_s, 1e-9)))
 
 
 def train_loop(
@@ -130,23 +159,33 @@ def train_loop(
     quiet: bool = False,
     max_wait_s: float | None = None,
     check_saves=None,
+    decay_steps: int | None = None,
+    on_decay_steps: Callable[[int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> LoopResult:
     """Run ``train_step`` from ``start_step`` (``resumed``: restored from its checkpoint); ``put`` makes a host batch global, ``save(step,
     force, data_state)`` writes a checkpoint, ``logger.log(step, metrics)`` records train metrics,
     ``check_saves()`` (after every step) raises if an asynchronous save failed; ``max_wait_s``
-    bounds the wait for one batch."""
+    bounds the wait for one batch.
+
+    ``decay_steps``: the schedule's length when already known (a resumed run); else it is
+    ``train.steps`` or estimated from the time budget, and ``on_decay_steps`` is told the estimate
+    (to keep it with the checkpoints). ``clock``: seconds (injectable for tests)."""
     stop = StopFlag()
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     base_key = jax.random.key(train.seed)
     waiter = BatchWaiter(data_iter, max_wait_s=max_wait_s)
-    step, t_train = start_step, time.perf_counter()
+    step, t_train = start_step, clock()
     last_saved = start_step if resumed else None  # a resumed run's checkpoint exists
     if last_saved is None:  # the fallback a diverging run keeps: finite by construction
         save(0, True, waiter.get_state())
         last_saved = 0
     bar = tqdm(total=train.steps, initial=start_step, desc="train", unit="step", disable=quiet)
-    window_t, window_tokens, compiled_at = time.perf_counter(), 0, None
+    window_t, window_tokens, compiled_at = clock(), 0, None
     last, in_a_row, skipped_total = {}, 0, 0
+    limit = train.time_limit_minutes
+    estimate = decay_steps is None and limit is not None
+    decay_steps = train.steps if decay_steps is None else decay_steps
     try:
         while step < train.steps:
             try:
@@ -159,7 +198,10 @@ def train_loop(
             if batch is None:
                 log.warning("%s received while waiting for data at step %d", stop.reason, step)
                 break
-            metrics = train_step(drafter, optimizer, target, put(batch), jax.random.fold_in(base_key, step))
+            lr = np.float32(learning_rate(train, step, decay_steps))
+            metrics = train_step(
+                drafter, optimizer, target, put(batch), jax.random.fold_in(base_key, step), lr
+            )
             step += 1
             loss = float(metrics["loss"])
             if int(metrics["skipped"]):
@@ -172,19 +214,29 @@ def train_loop(
             else:
                 in_a_row = 0
             if compiled_at is None:
-                compiled_at = time.perf_counter()
+                compiled_at, compiled_step = clock(), step
                 window_t, window_tokens = compiled_at, 0
             else:
                 window_tokens += int(metrics["tokens"])
+            if estimate and step - compiled_step >= TIMED_STEPS:
+                now = clock()
+                fit = steps_that_fit(
+                    step, now - t_train, (now - compiled_at) / (step - compiled_step), 60 * limit
+                )
+                warmup = min(train.warmup_steps, train.steps - 1)
+                decay_steps, estimate = min(train.steps, max(fit, warmup + 1)), False
+                log.info("learning rate decays over %d steps (what fits in %.1f min)", decay_steps, limit)
+                if on_decay_steps is not None:
+                    on_decay_steps(decay_steps)
             bar.update(1)
             if step % train.log_every == 0 or step == train.steps or in_a_row:
-                dt = max(time.perf_counter() - window_t, 1e-9)
+                dt = max(clock() - window_t, 1e-9)
                 last = {k: np.asarray(v) for k, v in metrics.items()}
                 last["tokens_per_s"] = window_tokens / dt
                 last["step_time_s"] = dt / train.log_every
                 logger.log(step, last)
                 bar.set_postfix(loss=f"{loss:.3f}", streak=f"{float(last['streak']):.2f}")
-                window_t, window_tokens = time.perf_counter(), 0
+                window_t, window_tokens = clock(), 0
             if in_a_row >= train.max_nonfinite_steps:
                 raise TrainingDiverged(
                     f"loss or gradients not finite for {in_a_row} steps in a row (train.max_nonfinite_steps="
@@ -197,8 +249,7 @@ def train_loop(
                 last_saved = step
             if check_saves is not None:
                 check_saves()
-            limit = train.time_limit_minutes
-            if limit is not None and time.perf_counter() - t_train > 60 * limit:
+            if limit is not None and clock() - t_train > 60 * limit:
                 log.info("time limit of %.1f min reached at step %d", limit, step)
                 break
             if stop_at_step is not None and step >= stop_at_step:
@@ -213,4 +264,4 @@ def train_loop(
         log.warning("%s received: saving a checkpoint at step %d and exiting", stop.reason, step)
     if last_saved != step:
         save(step, True, waiter.get_state())
-    return LoopResult(step, stop.stop, time.perf_counter() - t_train, last, stop.signum, skipped_total)
+    return LoopResult(step, stop.stop, clock() - t_train, last, decay_steps, stop.signum, skipped_total)

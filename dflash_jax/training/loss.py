@@ -2,13 +2,26 @@
 
 Slot k (1..B-1) of the block anchored at p predicts token p+k; its label distribution is the
 target's logits at position p+k-1, i.e. ``lm_head(final_norm(last layer))`` there. Slot 0 holds the
-real token at p and carries no loss. Vocabularies are large (50k-250k), so logits exist only one
-chunk of slots at a time, recomputed in the backward pass (remat), never as [slots, V] at once.
+real token at p and carries no loss. The drafter's logits come from the function decoding uses
+(its lm_head pass with ``logit_scale``/``logit_softcap``), passed in as ``draft_logits``.
+Vocabularies are large (50k-250k), so logits exist only one chunk of slots at a time, recomputed
+in the backward pass (remat), never as [slots, V] at once.
+
+Slot weighting (``train.loss_weighting``):
+
+* ``decay``: ``w_k = exp(-(k-1)/gamma)`` (the DFlash paper), loss = weighted mean;
+* ``uniform``: ``w_k = 1``, loss = mean over trained slots;
+* ``dpace`` (arXiv 2605.18810): ``q_k = exp(-CE_k)`` (no gradient), ``s_k = (1-alpha) q_k + alpha``
+  (1 for untrained slots), ``P_k = prod_{i<=k} s_i``, ``w_k = sum_{m>=k, m trained} P_m``; loss =
+  ``sum_k w_k CE_k`` over trained slots divided by the number of trained slots in the whole
+  global batch. Every sum runs over the global batch inside one jit, so the loss does not depend
+  on how the batch is split across devices or processes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +45,27 @@ def slot_weights(block_size: int, gamma: float | None = None, scheme: str = "dec
     elif scheme == "uniform":
         w = jnp.ones_like(k)
     else:
-        raise ValueError(f"unknown loss weighting {scheme!r} (decay | uniform)")
+        raise ValueError(f"unknown loss weighting {scheme!r} (decay | uniform; dpace: dpace_weights)")
     return w.at[0].set(0.0)
+
+
+def lm_head_logits(lm_head: jax.Array, compute_dtype=jnp.float32) -> Callable[[jax.Array], jax.Array]:
+    """Plain ``hidden @ lm_head`` (fp32 accumulation): the target's logits, or a drafter's that
+    has no logit scale or soft-cap."""
+    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+
+    def logits(h: jax.Array) -> jax.Array:
+        return jnp.einsum("CD,DV->CV", h.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+
+    return logits
 
 
 def chunked_token_loss(
     draft_hidden: jax.Array,
-    target_hidden: jax.Array,
+    target_hidden: jax.Array | None,
     lm_head: jax.Array,
     *,
+    draft_logits: Callable[[jax.Array], jax.Array] | None = None,
     kind: str = "ce",
     chunk: int = 1024,
     compute_dtype=jnp.float32,
@@ -48,7 +73,10 @@ def chunked_token_loss(
 ):
     """Per-item loss and correctness over N items without materialising [N, V].
 
-    draft_hidden, target_hidden [N, D] (both final-normed); lm_head [D, V] (frozen).
+    draft_hidden, target_hidden [N, D] (both final-normed); lm_head [D, V] (frozen, the target's).
+    draft_logits: [C, D] drafter hidden -> [C, V] fp32 logits: the drafter's own logits function
+    (the one decoding uses; training passes it). None: plain ``lm_head`` (no scale, no soft-cap).
+    The target's logits are always ``target_hidden @ lm_head``.
     kind "ce": cross-entropy on the target's argmax; "kl": KL(target || draft) on full softmaxes.
     labels [N]: the target's argmax when already known (ce only; target_hidden is then unused).
     Returns (loss [N] fp32, correct [N] bool, label [N] int32).
@@ -59,19 +87,17 @@ def chunked_token_loss(
     chunk = max(1, min(chunk, N))
     n_chunks = math.ceil(N / chunk)
     pad = n_chunks * chunk - N
-    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+    target_logits = lm_head_logits(lm_head, compute_dtype)
+    if draft_logits is None:
+        draft_logits = target_logits
     dh = jnp.pad(draft_hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
     if labels is not None and kind != "ce":
         raise ValueError("precomputed labels only apply to the ce loss")
     if labels is None:
+        if target_hidden is None:
+            raise ValueError("chunked_token_loss needs target_hidden or labels")
         th = jax.lax.stop_gradient(target_hidden)
         th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-
-    def target_logits(t):
-        return jnp.einsum("CD,DV->CV", t.astype(compute_dtype), w, preferred_element_type=jnp.float32)
-
-    def draft_logits(d):
-        return jnp.einsum("CD,DV->CV", d.astype(compute_dtype), w, preferred_element_type=jnp.float32)
 
     if kind == "ce":
         # Labels need no gradient: one pass for them, so the remat'd chunk below recomputes only
@@ -84,7 +110,7 @@ def chunked_token_loss(
         @jax.checkpoint
         def one(args):
             d, label = args
-            d_logits = draft_logits(d)
+            d_logits = draft_logits(d).astype(jnp.float32)
             lse = jax.nn.logsumexp(d_logits, axis=-1)
             loss = lse - jnp.take_along_axis(d_logits, label[:, None], axis=-1)[:, 0]
             return loss, jnp.argmax(d_logits, axis=-1) == label, label
@@ -96,7 +122,7 @@ def chunked_token_loss(
     def one(args):
         d, t = args
         t_logits = target_logits(t)
-        d_logits = draft_logits(d)
+        d_logits = draft_logits(d).astype(jnp.float32)
         label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
         d_logp = jax.nn.log_softmax(d_logits, axis=-1)
         t_logp = jax.nn.log_softmax(t_logits, axis=-1)
@@ -107,6 +133,72 @@ def chunked_token_loss(
     return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
 
 
+def dpace_weights(ce: jax.Array, trained: jax.Array, alpha: float = 0.5) -> jax.Array:
+    """D-PACE slot weights [..., S] for slots 1..S of each block (no gradient flows through them).
+
+    ce [..., S] per-slot cross-entropy, trained [..., S] bool. ``q_k = exp(-CE_k)`` estimates the
+    chance slot k is accepted, ``P_k = prod_{i<=k} s_i`` with ``s_k = (1-alpha) q_k + alpha`` the
+    (smoothed) chance the block gets that far, and ``w_k = sum_{m>=k} P_m`` over trained m: what
+    getting slot k right is worth to the expected acceptance length. Untrained slots weigh 0.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {alpha}")
+    q = jnp.exp(-jax.lax.stop_gradient(ce).astype(jnp.float32))
+    s = jnp.where(trained, (1.0 - alpha) * q + alpha, 1.0)
+    reach = jnp.where(trained, jnp.cumprod(s, axis=-1), 0.0)
+    w = jnp.flip(jnp.cumsum(jnp.flip(reach, axis=-1), axis=-1), axis=-1)
+    return jax.lax.stop_gradient(jnp.where(trained, w, 0.0))
+
+
+def weighted_slot_loss(
+    loss: jax.Array,
+    trained: jax.Array,
+    *,
+    scheme: str = "decay",
+    gamma: float | None = None,
+    dpace_alpha: float = 0.5,
+) -> jax.Array:
+    """Scalar training loss from per-slot losses [R, A, B-1] (slots 1..B-1) and their mask.
+
+    decay/uniform: the weighted mean over trained slots; dpace: ``sum w_k CE_k`` divided by the
+    global number of trained slots (see the module docstring). Sums run over the whole array.
+    """
+    total = slot_loss_sum(loss, trained, scheme=scheme, gamma=gamma, dpace_alpha=dpace_alpha)
+    return total / slot_loss_denominator(trained, scheme=scheme, gamma=gamma)
+
+
+def slot_loss_sum(loss, trained, *, scheme="decay", gamma=None, dpace_alpha=0.5) -> jax.Array:
+    """The numerator: ``sum_k w_k loss_k`` over trained slots (rows may be a micro-batch: D-PACE
+    weights depend only on each block's own slots)."""
+    trained = trained.astype(bool)
+    if scheme == "dpace":
+        return pairwise_sum(loss * dpace_weights(loss, trained, dpace_alpha))
+    w = slot_weights(loss.shape[-1] + 1, gamma, scheme)[1:] * trained
+    return pairwise_sum(loss * w)
+
+
+def slot_loss_denominator(trained, *, scheme="decay", gamma=None) -> jax.Array:
+    """The normaliser, over the whole batch: the trained-slot count (dpace) or the sum of the
+    trained slots' weights (decay/uniform)."""
+    trained = trained.astype(bool)
+    if scheme == "dpace":
+        return jnp.maximum(jnp.sum(trained), 1).astype(jnp.float32)
+    w = slot_weights(trained.shape[-1] + 1, gamma, scheme)[1:] * trained
+    return jnp.maximum(pairwise_sum(w), 1e-6)
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum of all of ``x`` as a fixed tree of elementwise adds: the same fp32 result on any mesh
+    layout (a plain ``jnp.sum`` of ~1e3 loss terms differs by ~5e-6 relative between one device
+    and a sharded batch, and its one-device sequential order is the less accurate one)."""
+    x = x.reshape(-1).astype(jnp.float32)
+    n = 1 << max(0, (x.size - 1).bit_length())
+    x = jnp.pad(x, (0, n - x.size))
+    while x.size > 1:
+        x = x[: x.size // 2] + x[x.size // 2 :]
+    return x[0]
+
+
 def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, compute_dtype=jnp.float32):
     """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked."""
     lead, D = hidden.shape[:-1], hidden.shape[-1]
@@ -115,11 +207,10 @@ def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, c
     chunk = max(1, min(chunk, N))
     n_chunks = math.ceil(N / chunk)
     flat = jnp.pad(flat, ((0, n_chunks * chunk - N), (0, 0))).reshape(n_chunks, chunk, D)
-    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+    logits = lm_head_logits(lm_head, compute_dtype)
 
     def one(h):
-        logits = jnp.einsum("CD,DV->CV", h.astype(compute_dtype), w, preferred_element_type=jnp.float32)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits(h), axis=-1).astype(jnp.int32)
 
     return jax.lax.map(one, flat).reshape(-1)[:N].reshape(lead)
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from dflash_jax.config_io import ConfigError, apply_overrides, check_fields, from_dict, load_yaml, to_dict
 from dflash_jax.data.pipeline import DataConfig
-from dflash_jax.drafter.config import AttentionImpl, require_pallas_kernel
+from dflash_jax.drafter.config import AttentionImpl, LayerType, require_pallas_kernel
 from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
@@ -38,11 +38,23 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    num_layers: int = 1
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None  # default: a special token of the tokenizer (see train.py)
+    """The drafter's shape. A field left unset (None) comes from the warm-start source
+    (``init_from``) when there is one, else from the default noted; a field set here that
+    disagrees with the source is an error naming both values (see training/setup.py).
+
+    The Qwen3.6-27B drafter of z-lab/SpecForge, for example: ``num_layers: 5``, ``layer_types:
+    [sliding_attention, sliding_attention, sliding_attention, sliding_attention, full_attention]``,
+    ``sliding_window: 2048``, ``target_layer_ids: [1, 16, 31, 46, 61]``.
+    """
+
+    num_layers: int | None = None  # default 1
+    block_size: int | None = None  # default 16
+    target_layer_ids: tuple[int, ...] | None = None  # default: z-lab's spacing over the target
+    mask_token_id: int | None = None  # default: a special token of the tokenizer (see setup.py)
     intermediate_size: int | None = None  # default: the target's
+    layer_types: tuple[LayerType, ...] | None = None  # per layer; default: all full_attention
+    sliding_window: int | None = None  # positions a sliding_attention layer sees
+    causal_in_block: bool | None = None  # default: z-lab's rule (sliding layers causal in a block)
     attention_impl: AttentionImpl = "auto"  # pallas on GPU, xla elsewhere
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
@@ -85,8 +97,9 @@ class TrainSection:
     b2: float = 0.95
     grad_clip: float = 1.0
     loss: Literal["ce", "kl"] = "ce"  # ce (target argmax) | kl (full target distribution)
-    loss_weighting: Literal["decay", "uniform"] = "decay"  # decay | uniform
-    gamma: float | None = None  # default by block size: 16 -> 7, 10 -> 5, 8 -> 4
+    loss_weighting: Literal["decay", "uniform", "dpace"] = "decay"  # see training/loss.py
+    gamma: float | None = None  # decay only; default by block size: 16 -> 7, 10 -> 5, 8 -> 4
+    dpace_alpha: float = 0.5  # dpace only: s_k = (1 - alpha) exp(-CE_k) + alpha
     loss_chunk: int = 1024
     compute_dtype: ComputeDtype = (
         "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
@@ -111,6 +124,8 @@ class TrainSection:
             raise ValueError("train.learning_rate must be > 0 and train.end_lr_ratio in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"train.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.micro_batches < 1:
             raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
         if self.feature_noise_std < 0:

@@ -131,41 +131,64 @@ def choose_mask_token_id(tokenizer, vocab_size: int) -> int:
     raise ConfigError("cannot pick a mask token: set drafter.mask_token_id")
 
 
-def build_drafter_config(cfg: RunConfig, target, tokenizer):
+# Section fields that describe the drafter's shape (DrafterConfig fields of the same name).
+SHAPE_FIELDS = (
+    "num_layers",
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "intermediate_size",
+    "layer_types",
+    "sliding_window",
+    "causal_in_block",
+)
+SHAPE_DEFAULTS = {"num_layers": 1, "block_size": 16}
+
+
+def load_warm_start(path: str, target):
+    """The drafter to warm-start from (a z-lab HF dir or one of our checkpoint dirs)."""
+    from dflash_jax.loading import load_drafter
+
+    return load_drafter(path, target)
+
+
+def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_path: str | None = None):
+    """The drafter config of this run: the section's fields over the warm-start ``source``'s config
+    (everything it defines is kept: taps and their order, mask token, layer types, window,
+    in-block causality, embedding/logit scales, soft-cap), or over the defaults without one."""
     from dflash_jax.drafter.config import DrafterConfig
 
     d = cfg.drafter
-    mask_id = (
-        d.mask_token_id
-        if d.mask_token_id is not None
-        else choose_mask_token_id(tokenizer, target.config.vocab_size)
-    )
-    overrides = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
-    if d.intermediate_size is not None:
-        overrides["intermediate_size"] = d.intermediate_size
+    impl = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
+    if source is not None:
+        for name in SHAPE_FIELDS:
+            ours, theirs = getattr(d, name), getattr(source, name)
+            if ours is not None and tuple_if_list(ours) != tuple_if_list(theirs):
+                raise ConfigError(
+                    f"drafter.{name}={ours!r} conflicts with the warm-start drafter {source_path}, "
+                    f"which has {name}={theirs!r} (leave drafter.{name} unset to keep it)"
+                )
+        source.check_target(target.config)
+        # Training keeps fp32 master weights whatever precision the source was stored in.
+        return source.replace(**impl, param_dtype="float32", compute_dtype="float32")
+    shape = {name: getattr(d, name) for name in SHAPE_FIELDS if getattr(d, name) is not None}
+    for name, default in SHAPE_DEFAULTS.items():
+        shape.setdefault(name, default)
+    if "mask_token_id" not in shape:
+        shape["mask_token_id"] = choose_mask_token_id(tokenizer, target.config.vocab_size)
+    num_layers, mask_id = shape.pop("num_layers"), shape.pop("mask_token_id")
     return DrafterConfig.for_target(
-        target.config,
-        num_layers=d.num_layers,
-        mask_token_id=mask_id,
-        block_size=d.block_size,
-        target_layer_ids=d.target_layer_ids,
-        **overrides,
+        target.config, num_layers=num_layers, mask_token_id=mask_id, **shape, **impl
     )
 
 
-def init_params_from(drafter, path: str, target) -> None:
-    """Warm start from a z-lab HF drafter dir or one of our checkpoint dirs."""
-    from dflash_jax.drafter.api import get_params, set_params
-    from dflash_jax.loading import load_drafter
+def tuple_if_list(value):
+    return tuple(value) if isinstance(value, list) else value
 
-    src = load_drafter(path, target)
-    if (
-        src.config.block_size != drafter.config.block_size
-        or src.config.num_layers != drafter.config.num_layers
-    ):
-        raise ConfigError(
-            f"init_from {path}: drafter has {src.config.num_layers} layers / block {src.config.block_size}, "
-            f"config asks {drafter.config.num_layers} / {drafter.config.block_size}"
-        )
-    set_params(drafter, get_params(src))
+
+def init_params_from(drafter, source, path: str) -> None:
+    """Copy the warm-start ``source``'s parameters into ``drafter`` (same config but kernels)."""
+    from dflash_jax.drafter.api import get_params, set_params
+
+    set_params(drafter, get_params(source))
     log.info("initialised drafter from %s", path)

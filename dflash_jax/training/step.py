@@ -19,8 +19,14 @@ import optax
 from flax import nnx
 
 from dflash_jax.dtypes import to_dtype
-from dflash_jax.training.anchors import block_positions, sample_anchors
-from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights, target_argmax
+from dflash_jax.training.anchors import sample_anchors, slot_targets
+from dflash_jax.training.loss import (
+    block_metrics,
+    chunked_token_loss,
+    slot_loss_denominator,
+    slot_loss_sum,
+    target_argmax,
+)
 
 if TYPE_CHECKING:
     from dflash_jax.training.run_config import TrainSection
@@ -33,17 +39,29 @@ REMAT_POLICIES = {
 }
 
 
+def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
+    """``-learning_rate * updates`` with the rate passed to every update call (``learning_rate=``)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, learning_rate, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: (-learning_rate * u).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=train_cfg.learning_rate,
-        warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
-        decay_steps=train_cfg.steps,
-        end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
-    )
+    """AdamW as ``optax.adamw`` builds it (Adam, decoupled weight decay, times -rate) after global
+    norm clipping; the rate is an argument of each step, so the loop can fix the schedule's length
+    once it knows how many steps fit in the time budget (``loop.learning_rate``)."""
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
-        optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, weight_decay=train_cfg.weight_decay),
+        optax.scale_by_adam(b1=train_cfg.b1, b2=train_cfg.b2),
+        optax.add_decayed_weights(train_cfg.weight_decay),
+        scale_by_learning_rate_arg(),
     )
 
 
@@ -59,18 +77,6 @@ def target_pass(target, batch, layer_ids: tuple[int, ...]):
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
 
 
-def labels_and_mask(anchors, anchor_valid, loss_mask, block_size: int):
-    """For slots 1..B-1: the position whose target logits label the slot (anchor+k-1) and whether
-    the slot is trained (valid anchor and the predicted token anchor+k inside the loss mask)."""
-    T = loss_mask.shape[1]
-    pos = block_positions(anchors, block_size, T)  # [R,A,B] anchor+k
-    label_pos = pos[..., :-1]  # anchor+k-1 for k = 1..B-1
-    predicted = pos[..., 1:]  # anchor+k
-    in_mask = jnp.take_along_axis(loss_mask.astype(bool), predicted.reshape(predicted.shape[0], -1), axis=1)
-    item_mask = anchor_valid[..., None] & in_mask.reshape(predicted.shape)
-    return label_pos, item_mask
-
-
 def gather_positions(x, pos):
     """x [R,T,...] at pos [R,...] -> [R,..., ...]: per-row gather along T."""
     R = x.shape[0]
@@ -79,13 +85,25 @@ def gather_positions(x, pos):
     return jnp.take_along_axis(x, idx, axis=1).reshape(*pos.shape, *x.shape[2:])
 
 
-def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: TrainSection):
+def block_loss(
+    draft,
+    hidden,
+    anchors,
+    anchor_valid,
+    loss_mask,
+    segment_ids,
+    lm_head,
+    cfg: TrainSection,
+    draft_logits=None,
+):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
-    draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
+    draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state;
+    draft_logits: the drafter's logits function, [C,D] -> [C,V] (``drafter.logits``, the one
+    decoding uses; None: plain lm_head). Which slots train: ``anchors.slot_targets``.
     """
     R, A, B, D = draft.shape
-    label_pos, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
+    label_pos, item_mask = slot_targets(anchors, anchor_valid, loss_mask, segment_ids, B)
     dtype = to_dtype(cfg.compute_dtype)
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
@@ -99,14 +117,20 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: Tr
         draft[:, :, 1:].reshape(-1, D),
         target_h,
         lm_head,
+        draft_logits=draft_logits,
         kind=cfg.loss,
         chunk=cfg.loss_chunk,
         compute_dtype=dtype,
         labels=slot_labels,
     )
-    weights = slot_loss_weights(item_mask, cfg).reshape(-1)
-    loss_sum = jnp.sum(loss_i * weights)
-    loss = loss_sum / jnp.maximum(jnp.sum(weights), 1e-6)
+    loss_sum = slot_loss_sum(
+        loss_i.reshape(R, A, B - 1),
+        item_mask,
+        scheme=cfg.loss_weighting,
+        gamma=cfg.gamma,
+        dpace_alpha=cfg.dpace_alpha,
+    )
+    loss = loss_sum / slot_loss_denominator(item_mask, scheme=cfg.loss_weighting, gamma=cfg.gamma)
     per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
     return loss, {
         "streak": streak,
@@ -117,20 +141,8 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: Tr
     }
 
 
-def slot_loss_weights(item_mask, cfg: TrainSection):
-    """[R,A,B-1] loss weight of every trained slot (decay/uniform weight x trained mask)."""
-    w = slot_weights(item_mask.shape[-1] + 1, cfg.gamma, cfg.loss_weighting)[1:]
-    return item_mask * w
-
-
-def _anchors(key, batch, block_size: int, cfg: TrainSection):
-    return sample_anchors(
-        key,
-        batch["loss_mask"],
-        batch["segment_ids"],
-        block_size=block_size,
-        max_anchors=cfg.max_anchors,
-    )
+def _anchors(key, batch, cfg: TrainSection):
+    return sample_anchors(key, batch["loss_mask"], batch["segment_ids"], max_anchors=cfg.max_anchors)
 
 
 def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, embeds):
@@ -148,7 +160,7 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
             k_noise, features.shape, features.dtype
         )
     if anchors is None:
-        anchors = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
+        anchors = _anchors(k_anchor, batch, cfg)
     anchors, valid = anchors
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
     remat = getattr(cfg, "remat", "none")
@@ -156,7 +168,18 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         _drafter_forward if remat == "none" else nnx.remat(_drafter_forward, policy=REMAT_POLICIES[remat])
     )
     draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
-    loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
+    dtype = to_dtype(cfg.compute_dtype)
+    loss, extra = block_loss(
+        draft,
+        hidden,
+        anchors,
+        valid,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        target.lm_head_weight(),
+        cfg,
+        draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype),
+    )
     metrics = {
         "loss_sum": extra["loss_sum"],
         "slot_count": extra["slot_count"],
@@ -186,8 +209,8 @@ def _assign(module, var_type, pure) -> None:
     nnx.update(module, state)
 
 
-def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) -> dict:
-    """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
+def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, learning_rate) -> dict:
+    """One optimizer update of ``drafter`` in place at ``learning_rate``; returns the step's metrics. Traced by the
     trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same.
 
     A step whose loss, gradients or updated parameters are not all finite applies no update at
@@ -206,7 +229,7 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) 
     metrics["grad_norm"] = optax.global_norm(grads)
     old_params = _pure(drafter, nnx.Param)
     old_opt = _pure(optimizer, nnx.optimizer.OptState)
-    optimizer.update(drafter, grads)
+    optimizer.update(drafter, grads, learning_rate=learning_rate)
     new_params = _pure(drafter, nnx.Param)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(new_params)
 
@@ -220,6 +243,7 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) 
         jax.tree.map(keep, _pure(optimizer, nnx.optimizer.OptState), old_opt),
     )
     metrics["skipped"] = 1 - ok.astype(jnp.int32)
+    metrics["learning_rate"] = learning_rate
     return metrics
 
 
@@ -227,17 +251,19 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
     """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
 
     Anchors are drawn once for the whole batch and the loss is normalised by the whole batch's
-    slot weights, so the update equals the full-batch one (up to float summation order). Only the
-    feature-noise draws (``feature_noise_std > 0``) differ from the full-batch step.
+    denominator (``loss.slot_loss_denominator``), so the update equals the full-batch one (up to
+    float summation order). Only the feature-noise draws (``feature_noise_std > 0``) differ.
     """
     M = cfg.micro_batches
     R = batch["input_ids"].shape[0]
     if R % M:
         raise ValueError(f"train.micro_batches={M} does not divide the batch's {R} rows")
     k_anchor, k_rest = jax.random.split(key)
-    anchors, valid = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
-    _, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], drafter.config.block_size)
-    denom = jnp.maximum(jnp.sum(slot_loss_weights(item_mask, cfg)), 1e-6)
+    anchors, valid = _anchors(k_anchor, batch, cfg)
+    _, item_mask = slot_targets(
+        anchors, valid, batch["loss_mask"], batch["segment_ids"], drafter.config.block_size
+    )
+    denom = slot_loss_denominator(item_mask, scheme=cfg.loss_weighting, gamma=cfg.gamma)
 
     def split(x):
         return x.reshape(M, R // M, *x.shape[1:])
@@ -274,8 +300,8 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
 
 def make_train_step(cfg: TrainSection):
     @nnx.jit(donate_argnums=(0, 1))
-    def train_step(drafter, optimizer, target, batch, key):
-        return apply_train_step(drafter, optimizer, target, batch, key, cfg)
+    def train_step(drafter, optimizer, target, batch, key, learning_rate):
+        return apply_train_step(drafter, optimizer, target, batch, key, cfg, learning_rate)
 
     return train_step
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Held-out tau A/B of the training recipe (issue 10, item 7). Run on an otherwise idle machine:
+# the three trainings run one after the other, never at once.
+#   bash scripts/run_ab.sh REPO_AT_NEW_RECIPE OUT_DIR [STEPS]
+# (a) today's recipe at commit c3b8cc9 (a detached worktree of the same repository), (b) new anchors
+# + decay, (c) new anchors + D-PACE; same seed, same data (the demo's regenerated set), same
+# STEPS (default 70: what the demo reaches in its 11 minutes on an idle 2-core CPU), LR schedule
+# over STEPS for all three. Each drafter is exported to z-lab's format by its own converter and
+# evaluated by the same `python -m dflash_jax.eval` (new recipe's repository) on the same 32
+# held-out prompts x 128 new tokens; per-prompt tau gives the spread.
+set -euo pipefail
+NEW=$(realpath "$1"); OUT=$(realpath -m "$2"); STEPS=${3:-70}
+PY=${PY:-$NEW/.venv/bin/python}
+OLD=$OUT/baseline-src
+mkdir -p "$OUT"
+[ -d "$OLD" ] || git -C "$NEW" worktree add --detach "$OLD" c3b8cc9
+COMMON=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128 eval.before_training=false
+        train.steps=$STEPS train.time_limit_minutes=null train.seed=0 data.seed=0)
+train() {  # name repo extra-overrides...
+  local name=$1 repo=$2; shift 2
+  (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo \
+      output_dir="$OUT/$name" "${COMMON[@]}" "$@") > "$OUT/$name.log" 2>&1
+  (cd "$repo" && PYTHONPATH=$repo "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" \
+      --out "$OUT/$name-zlab" --dtype float32) >> "$OUT/$name.log" 2>&1
+}
+train a "$OLD"
+train b "$NEW" train.loss_weighting=decay
+train c "$NEW" train.loss_weighting=dpace
+cd "$NEW"
+PYTHONPATH=$NEW "$PY" - "$OUT/prompts.jsonl" "${COMMON[@]}" <<'PYEOF'
+import json, sys
+from transformers import AutoTokenizer
+from dflash_jax import assets
+from dflash_jax.training.evaluation import heldout_prompt_ids
+from dflash_jax.training.run_config import load_run_config
+cfg = load_run_config("demo", [a for a in sys.argv[2:] if a.split("=")[0].split(".")[0] in ("data", "eval")])
+ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(assets.smollm2_dir()))
+assert len(ids) == cfg.eval.num_prompts, len(ids)
+with open(sys.argv[1], "w") as f:
+    f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
+PYEOF
+for name in a b c; do
+  PYTHONPATH=$NEW "$PY" -m dflash_jax.eval --target "$(PYTHONPATH=$NEW "$PY" -c 'from dflash_jax import assets; print(assets.smollm2_dir())')" \
+      --drafter "$OUT/$name-zlab" --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --batch-size 32 \
+      --no-baseline --no-warmup --json "$OUT/$name-eval.json" > "$OUT/$name-eval.log" 2>&1
+done
+PYTHONPATH=$NEW "$PY" - "$OUT" <<'PYEOF'
+import json, sys, re
+from pathlib import Path
+import numpy as np
+out = Path(sys.argv[1])
+print("| recipe | steps | s/step | held-out tau (per-prompt mean) | std / sqrt(n) | tau pooled |")
+print("|---|---|---|---|---|---|")
+for name, label in (("a", "(a) c3b8cc9: blocks inside the document, decay"), ("b", "(b) new anchors + decay"), ("c", "(c) new anchors + D-PACE")):
+    rep = json.loads((out / f"{name}-eval.json").read_text())
+    taus = np.array([np.mean(r["acceptance_lengths"]) for r in rep["prompts"] if r["acceptance_lengths"]])
+    rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    st = [r["step_time_s"] for r in rows if r.get("split") == "train" and "step_time_s" in r]
+    print(f"| {label} | {rows[-1]['step']} | {np.median(st):.2f} | {taus.mean():.3f} | {taus.std(ddof=1) / np.sqrt(len(taus)):.3f} | {rep['summary']['tau_pooled']:.3f} |")
+PYEOF
