@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from dflash_jax import assets
 from dflash_jax.config_io import ConfigError
+from dflash_jax.distributed import exit_on_error, put_global
 from dflash_jax.sharding import make_mesh, named_sharding
 from dflash_jax.training.run_config import RunConfig, load_run_config
 
@@ -96,10 +97,15 @@ def resolve_target(cfg: RunConfig, run_dir: Path):
     """-> (target dir, tokenizer dir)."""
     from transformers import AutoTokenizer
 
+    from dflash_jax import distributed
+
     t = cfg.target
     if t.path == "tiny":
         tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else assets.smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+        if distributed.is_primary():
+            make_tiny_target_dir(cfg, vocab, run_dir / "tiny_target")
+        distributed.barrier("tiny_target")
         return make_tiny_target_dir(cfg, vocab, run_dir / "tiny_target"), tok_dir
     target_dir = assets.smollm2_dir() if t.path == "smollm2" else Path(t.path)
     tok = t.tokenizer
@@ -152,7 +158,7 @@ def place_on_mesh(module, mesh):
         if not hasattr(value, "shape"):
             continue
         axes = var.get_metadata().get("logical_axes") if hasattr(var, "get_metadata") else None
-        var.set_value(jax.device_put(value, named_sharding(mesh, axes, value.shape)))
+        var.set_value(put_global(value, named_sharding(mesh, axes, value.shape)))
     nnx.update(module, state)
     return module
 
@@ -291,6 +297,14 @@ def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+class NullLogger:
+    def log(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
 class _StopFlag:
     def __init__(self):
         self.stop = False
@@ -319,7 +333,8 @@ def run(
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax.data.pipeline import make_train_iterator
+    from dflash_jax import distributed
+    from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.training.checkpoint import Checkpointer
     from dflash_jax.training.metrics import MetricLogger, plot_metrics
@@ -340,6 +355,12 @@ def run(
         target.config.vocab_size,
     )
 
+    primary = distributed.is_primary()
+    if jax.process_count() > 1 and (cfg.regen.enabled or cfg.eval.num_prompts):
+        raise ConfigError(
+            "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
+            "eval.num_prompts=0 for a multi-process run (evaluate the exported drafter with dflash_jax.eval)"
+        )
     data_cfg = cfg.data
     heldout_cfg = None
     eval_prompts = heldout_prompt_ids(cfg, tokenizer)
@@ -373,24 +394,32 @@ def run(
 
     resolved = cfg.to_dict()
     resolved["drafter_config"] = dcfg.to_dict()
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    if primary:
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
-    data_iter = make_train_iterator(
-        data_cfg, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
-    )
-    start_step = 0
+    start_step, data_state = 0, None
     if resume:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
         meta = ckpt.restore(drafter, optimizer, mesh=mesh)
-        start_step = int(meta["step"])
-        if meta.get("data_state") is not None:
-            data_iter.set_state(meta["data_state"])
+        start_step, data_state = int(meta["step"]), meta.get("data_state")
         log.info("resumed from step %d", start_step)
+    data_iter = ShardedBatchIterator(
+        data_cfg,
+        tokenizer,
+        num_shards=resolve_num_shards(cfg.data.shards, jax.process_count(), data_state),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    if data_state is not None:
+        data_iter.set_state(data_state)
+
+    def global_data_state():  # collective: every process's shard positions
+        return merge_states(distributed.allgather_json(data_iter.get_state()))
 
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
     held_batches = eval_batches(tokenizer, heldout_cfg) if heldout_cfg is not None else []
-    logger = MetricLogger(run_dir)
+    logger = MetricLogger(run_dir) if primary else NullLogger()
     eval_key = jax.random.key(cfg.train.seed + 1)
 
     def put(batch):  # this process's rows -> global arrays laid out over (data, fsdp)
@@ -433,7 +462,9 @@ def run(
         stop = _StopFlag()
         old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
         base_key = jax.random.key(cfg.train.seed)
-        bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step", disable=quiet)
+        bar = tqdm(
+            total=cfg.train.steps, initial=start_step, desc="train", unit="step", disable=quiet or not primary
+        )
         step, last_saved, t_train = start_step, None, time.perf_counter()
         window_t, window_tokens, compiled_at = time.perf_counter(), 0, None
         last = {}
@@ -468,7 +499,7 @@ def run(
                     bar.set_postfix(loss=f"{loss:.3f}", streak=f"{float(last['streak']):.2f}")
                     window_t, window_tokens = time.perf_counter(), 0
                 if step % cfg.train.checkpoint_every == 0:
-                    ckpt.save(step, drafter, optimizer, data_iter.get_state(), resolved)
+                    ckpt.save(step, drafter, optimizer, global_data_state(), resolved)
                     last_saved = step
                 limit = cfg.train.time_limit_minutes
                 if limit is not None and time.perf_counter() - t_train > 60 * limit:
@@ -484,7 +515,7 @@ def run(
             for s, h in old.items():
                 signal.signal(s, h)
         if last_saved != step:
-            ckpt.save(step, drafter, optimizer, data_iter.get_state(), resolved, force=True)
+            ckpt.save(step, drafter, optimizer, global_data_state(), resolved, force=True)
         ckpt.close()
         data_iter.close()
         result.update(step=step, interrupted=stop.stop, train_seconds=time.perf_counter() - t_train)
@@ -496,7 +527,8 @@ def run(
             result["heldout_streak_after"] = float(after["streak"])
         heldout_tau("after")
     logger.close()
-    result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
+    if primary:
+        result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
     result["checkpoint_dir"] = str(ckpt.directory)
     result["total_seconds"] = time.perf_counter() - t_start
     result["drafter"] = drafter
@@ -504,6 +536,7 @@ def run(
     return result
 
 
+@exit_on_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="demo", help="a YAML path or a name in configs/ (default: demo)")
@@ -513,10 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
+    from dflash_jax import distributed
+
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    distributed.initialize_from(args)
+    distributed.configure_logging()
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:
@@ -524,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(cfg, resume=args.resume, init_from=args.init_from, quiet=args.quiet)
     result = {k: v for k, v in result.items() if k not in ("drafter", "target")}
+    if not distributed.is_primary():
+        return 0
     print(json.dumps(result, indent=2))
     print(f"outputs: {result['run_dir']} (metrics.jsonl, metrics.png, tensorboard/, checkpoints/)")
     return 0
