@@ -107,14 +107,14 @@ def tokenizer():
 
 
 def test_global_batches_do_not_depend_on_the_process_count(tokenizer):
-    """1 process reading shards 0-1 yields exactly the rows that 2 processes yield together, and
-    a state saved by either continues on the other."""
+    """1 process reading shards 0-3 yields exactly the rows that 2 processes (shards 0-1, 2-3)
+    yield together, and a state saved by either continues on the other."""
     from dflash_jax.data.pipeline import DataConfig
 
     cfg = DataConfig(max_records=60, max_length=64, batch_size=4, prefetch=0, seed=1)
-    one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=2)
+    one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4)
     two = [
-        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=2, process_index=p, process_count=2)
+        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4, process_index=p, process_count=2)
         for p in (0, 1)
     ]
     for _ in range(3):
@@ -125,10 +125,10 @@ def test_global_batches_do_not_depend_on_the_process_count(tokenizer):
     # 2 processes' states -> 1 process, and 1 process's state -> 2 processes
     merged = shards.merge_states([it.get_state() for it in two])
     assert merged == one.get_state()
-    resumed_one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=2)
+    resumed_one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4)
     resumed_one.set_state(merged)
     resumed_two = [
-        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=2, process_index=p, process_count=2)
+        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4, process_index=p, process_count=2)
         for p in (0, 1)
     ]
     for it in resumed_two:
