@@ -26,8 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from convert.safetensors_io import CheckpointReader
-from dflash_jax.distributed import put_global
-from dflash_jax.sharding import named_sharding
+from dflash_jax.sharding import named_sharding, put_global
 from dflash_jax.target.config import TargetConfig
 
 log = logging.getLogger(__name__)

@@ -215,18 +215,6 @@ def configure_logging(level: int = logging.INFO) -> None:
     )
 
 
-def put_global(value, sharding):
-    """``jax.device_put`` that also works when ``sharding`` spans other processes' devices: every
-    process passes the same full host value and places the shards on its own devices."""
-    import jax
-    import numpy as np
-
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
 def barrier(name: str) -> None:
     """Wait until every process got here (no-op when running alone)."""
     import jax

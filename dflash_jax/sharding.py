@@ -120,6 +120,15 @@ def named_sharding(
     return NamedSharding(mesh, spec_fits(logical_to_spec(logical_axes, rules, mesh), shape, mesh))
 
 
+def put_global(value, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put`` that also works in a multi-process run, where ``sharding`` spans other
+    processes' devices: every process passes the same full host value and places its own shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None):
     """with_sharding_constraint by logical names; a no-op outside a mesh context."""
     mesh = mesh or _current_mesh()

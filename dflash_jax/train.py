@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from dflash_jax import assets
 from dflash_jax.config_io import ConfigError
-from dflash_jax.distributed import exit_on_error, put_global
-from dflash_jax.sharding import make_mesh, named_sharding
+from dflash_jax.distributed import exit_on_error
+from dflash_jax.sharding import make_mesh, named_sharding, put_global
 from dflash_jax.training.run_config import RunConfig, load_run_config
 
 log = logging.getLogger("dflash_jax.train")
