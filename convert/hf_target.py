@@ -1,12 +1,5 @@
-"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3), as data.
-
-Each ``KeyRule`` ties one of our parameters to an HF key (``{i}`` = layer index for stacked
-parameters) with a layout kind that defines both directions:
-
-  linear: HF stores ``[out, in]``; we store ``[*in_dims, *out_dims]`` (named einsum layout).
-          ours = hf.T.reshape(our_shape);  hf = ours.reshape(hf_shape[::-1]).T
-  vector: flattened in HF (norm weights, biases: ours may split heads, e.g. [N, H]).
-  copy:   the same shape on both sides (embeddings).
+"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3), as ``KeyRule`` data
+(``convert.hf_mapping``); our layer parameters are stacked (leading layer dimension).
 
 Loading is strict: every expected key must exist with the expected shape and nothing else may be
 in the checkpoint; each tensor goes straight from a memory-mapped file onto its mesh sharding.
@@ -15,9 +8,7 @@ in the checkpoint; each tensor goes straight from a memory-mapped file onto its 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -25,23 +16,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from convert.safetensors_io import CheckpointReader
 from dflash_jax.sharding import named_sharding, put_global
 from dflash_jax.target.config import TargetConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    ours: str  # dotted path in the NNX state, e.g. "layers.q"
-    hf: str  # HF key; "{i}" is the layer index for stacked params
-    kind: str  # "linear" | "vector" | "copy"
-    in_dims: int = 1  # linear only: how many leading dims of ours are the input side
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
 
 
 # Keys some HF checkpoints carry that hold no weights we need.
@@ -83,29 +63,6 @@ def target_key_map(config: TargetConfig) -> list[KeyRule]:
     return rules
 
 
-def hf_shape(rule: KeyRule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF tensor shape for one (unstacked) parameter of ours."""
-    if rule.kind == "copy":
-        return tuple(our_shape)
-    if rule.kind == "vector":
-        return (math.prod(our_shape),)
-    ins, outs = our_shape[: rule.in_dims], our_shape[rule.in_dims :]
-    return (math.prod(outs), math.prod(ins))
-
-
-def to_ours(rule: KeyRule, hf_array: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
-    if rule.kind == "linear":
-        return np.ascontiguousarray(hf_array.T).reshape(our_shape)
-    return hf_array.reshape(our_shape)
-
-
-def to_hf(rule: KeyRule, ours: np.ndarray) -> np.ndarray:
-    shape = hf_shape(rule, ours.shape)
-    if rule.kind == "linear":
-        return np.ascontiguousarray(ours.reshape(shape[::-1]).T)
-    return ours.reshape(shape)
-
-
 def _state_index(state: nnx.State) -> dict[str, nnx.Variable]:
     return {".".join(str(p) for p in path): var for path, var in state.flat_state()}
 
@@ -114,34 +71,18 @@ def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: 
     """Strict key accounting before any tensor is read: raises naming every problem found."""
     rules = target_key_map(config)
     expected: dict[str, tuple[int, ...]] = {}
-    for rule in rules:
-        if rule.ours not in variables:
-            raise KeyError(f"internal: key map names {rule.ours!r}, which the model does not have")
-        shape = tuple(variables[rule.ours].shape)
-        per = shape[1:] if rule.stacked else shape
-        want = hf_shape(rule, per)
-        for i in range(config.num_layers) if rule.stacked else [None]:
-            expected[rule.hf.format(i=i)] = want
-    present = set(reader.keys())
-    missing = sorted(set(expected) - present)
+    for rule, ours, hf, layer in entries(rules, config.num_layers):
+        if ours not in variables:
+            raise KeyError(f"internal: key map names {ours!r}, which the model does not have")
+        shape = tuple(variables[ours].shape)
+        expected[hf] = hf_shape(rule, shape[1:] if layer is not None else shape)
+    present = {k: tuple(reader.shape(k)) for k in reader.keys()}
     ignorable = {k for k in present if k.endswith(_IGNORABLE_SUFFIXES)}
-    if config.tie_word_embeddings and "lm_head.weight" in present:
+    if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exports keep the tied copy; it must equal embed_tokens
-    unexpected = sorted(present - set(expected) - ignorable)
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(
-            f"unexpected tensors: {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else "")
-        )
-    for key, want in expected.items():
-        if key in present and tuple(reader.shape(key)) != want:
-            problems.append(f"tensor {key!r} has shape {tuple(reader.shape(key))}, expected {want}")
-    if problems:
-        raise ValueError(
-            f"checkpoint {reader.directory} does not match its config.json: " + "; ".join(problems)
-        )
+    check_tensors(
+        f"checkpoint {reader.directory} does not match its config.json", expected, present, ignorable
+    )
     return rules
 
 

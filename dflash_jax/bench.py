@@ -130,10 +130,10 @@ def bench_attention(args) -> dict:
 
 def bench_generate(args) -> dict:
     import dflash_jax
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
     from dflash_jax.generate import generate
 
-    path = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    path = smollm2_dir() if args.target == "smollm2" else args.target
     target = dflash_jax.load_target(path, dtype=args.dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 1000, size=args.prompt).tolist() for _ in range(args.batch)]
@@ -171,9 +171,9 @@ def bench_target(args) -> dict:
     from flax import nnx
 
     import dflash_jax
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    path = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    path = smollm2_dir() if args.target == "smollm2" else args.target
     out = {"target": str(path), "rows": args.rows, "length": args.length}
     x = jnp.ones((args.rows, args.length), jnp.int32)
     for dt in ("float32", "bfloat16"):

@@ -411,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import dflash_jax
-    from dflash_jax.drafter.api import load_drafter
     from dflash_jax.generate import SamplingConfig
+    from dflash_jax.loading import load_drafter
 
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

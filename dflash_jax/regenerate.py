@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    target_dir = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    target_dir = smollm2_dir() if args.target == "smollm2" else args.target
     target = dflash_jax.load_target(target_dir, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     records = read_records(args.data, args.num_prompts)

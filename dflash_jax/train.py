@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from convert.smollm2 import smollm2_dir
 from dflash_jax import assets
 from dflash_jax.config_io import ConfigError
 from dflash_jax.distributed import exit_on_error
@@ -101,15 +102,15 @@ def resolve_target(cfg: RunConfig, run_dir: Path):
 
     t = cfg.target
     if t.path == "tiny":
-        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else assets.smollm2_dir()
+        tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
         if distributed.is_primary():
             make_tiny_target_dir(cfg, vocab, run_dir / "tiny_target")
         distributed.barrier("tiny_target")
         return make_tiny_target_dir(cfg, vocab, run_dir / "tiny_target"), tok_dir
-    target_dir = assets.smollm2_dir() if t.path == "smollm2" else Path(t.path)
+    target_dir = smollm2_dir() if t.path == "smollm2" else Path(t.path)
     tok = t.tokenizer
-    tok_dir = assets.smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
+    tok_dir = smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
     return target_dir, tok_dir
 
 
@@ -165,7 +166,8 @@ def place_on_mesh(module, mesh):
 
 def init_params_from(drafter, path: str, target):
     """Warm start from a z-lab HF drafter dir or one of our checkpoint dirs."""
-    from dflash_jax.drafter.api import get_params, load_drafter, set_params
+    from dflash_jax.drafter.api import get_params, set_params
+    from dflash_jax.loading import load_drafter
 
     src = load_drafter(path, target)
     if (
@@ -334,9 +336,9 @@ def run(
 
     import dflash_jax
     from dflash_jax import distributed
+    from dflash_jax.checkpoint import Checkpointer
     from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
     from dflash_jax.drafter.api import init_drafter
-    from dflash_jax.training.checkpoint import Checkpointer
     from dflash_jax.training.metrics import MetricLogger, plot_metrics
     from dflash_jax.training.step import StepConfig, make_eval_step, make_optimizer, make_train_step
 

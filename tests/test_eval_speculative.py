@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, prompt_ids
 
-from dflash_jax.drafter.api import get_params, init_drafter, load_drafter
+from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.generate import SamplingConfig, generate
+from dflash_jax.loading import load_drafter
 from dflash_jax.speculative import SpeculativeDecoder, speculative_generate
 
 torch = pytest.importorskip("torch")
@@ -320,9 +321,9 @@ def test_smollm2_trained_drafter_matches_zlab(tmp_path, monkeypatch):
 
     import dflash_jax
     from convert.drafter_to_hf import export
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    target_dir = assets.smollm2_dir()
+    target_dir = smollm2_dir()
     target = dflash_jax.load_target(target_dir)
     drafter = load_drafter(ckpt, target)
     hf_dir = export(ckpt, tmp_path / "zlab", dtype="float32")

@@ -357,7 +357,7 @@ def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
 def test_killed_process_stops_the_run_and_the_last_checkpoint_restores(tmp_path):
     """SIGKILL process 1 after the first checkpoint: the launcher exits non-zero within its
     bound, naming process 1, and the checkpoint left behind resumes."""
-    from dflash_jax.training.checkpoint import Checkpointer
+    from dflash_jax.checkpoint import Checkpointer
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))

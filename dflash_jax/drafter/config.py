@@ -402,7 +402,6 @@ class DrafterConfig:
             dflash["final_logit_softcapping"] = self.logit_softcap
         out = {
             "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

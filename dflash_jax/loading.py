@@ -1,4 +1,9 @@
-"""``load_target``: an HF model directory -> a TargetModel whose weights live on a device mesh."""
+"""Loading models from disk: ``load_target`` (an HF model directory onto a device mesh) and
+``load_drafter`` (one of our checkpoints or an HF drafter directory).
+
+This sits above the model code (``target/``, ``drafter/``) and the formats (``convert/``,
+``dflash_jax.checkpoint``), so the model code never imports a file format.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from convert.hf_target import load_weights_into
+from convert.hf_to_drafter import read_drafter
+from convert.safetensors_io import CheckpointReader
+from dflash_jax.drafter.api import set_params, target_config_of
+from dflash_jax.drafter.model import DFlashDrafter
 from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.model import TargetModel
@@ -34,9 +44,6 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
     Weights are read tensor by tensor and placed straight onto ``mesh`` (default: one device)
     with their logical-axis shardings; the checkpoint must match config.json exactly.
     """
-    from convert.hf_target import load_weights_into
-    from convert.safetensors_io import CheckpointReader
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"target path {path} is not a directory (expected an HF model dir)")
@@ -57,3 +64,18 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
         time.perf_counter() - t0,
     )
     return model
+
+
+def load_drafter(path: str | Path, target, *, step: int | None = None, **overrides) -> DFlashDrafter:
+    """Load a drafter from one of our orbax checkpoints (a run dir, its ``checkpoints/`` dir or a
+    ``<step>`` dir; ``step`` picks one, default the latest) or an HF directory (z-lab or
+    speculators layout: config.json + safetensors), via ``convert.hf_to_drafter.read_drafter``.
+
+    ``overrides`` set our own config fields, e.g. ``attention_impl="reference"`` or
+    ``compute_dtype="bfloat16"``. The drafter is checked against ``target`` (model or config)
+    on its config, before any weight is read.
+    """
+    check = None if target is None else (lambda c: c.check_target(target_config_of(target)))
+    config, params = read_drafter(path, step=step, check=check, **overrides)
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
+    return set_params(drafter, params)
