@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES, to_dtype
+
 
 def _timeit(fn, repeats):
     out = fn()
@@ -157,7 +159,8 @@ def bench_loss(args) -> dict:
     dh, th = jax.random.normal(jax.random.key(0), (2, args.slots, args.hidden))
     w = jax.random.normal(jax.random.key(1), (args.hidden, args.vocab)) * 0.05
     out = {"slots": args.slots, "hidden": args.hidden, "vocab": args.vocab, "chunk": args.chunk}
-    for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+    for name in COMPUTE_DTYPE_NAMES:
+        dt = to_dtype(name)
         f = jax.jit(
             jax.grad(
                 lambda d, dt=dt: jnp.mean(chunked_token_loss(d, th, w, chunk=args.chunk, compute_dtype=dt)[0])
@@ -176,7 +179,7 @@ def bench_target(args) -> dict:
     path = smollm2_dir() if args.target == "smollm2" else args.target
     out = {"target": str(path), "rows": args.rows, "length": args.length}
     x = jnp.ones((args.rows, args.length), jnp.int32)
-    for dt in ("float32", "bfloat16"):
+    for dt in COMPUTE_DTYPE_NAMES:
         t = dflash_jax.load_target(path, dtype=dt)
         taps = (1, t.config.num_layers - 3)
         f = nnx.jit(lambda m, x, taps=taps: m(x, layer_ids=taps, return_logits=False).features)

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -21,21 +20,12 @@ from convert.hf_to_drafter import read_drafter
 from convert.safetensors_io import CheckpointReader
 from dflash_jax.drafter.api import set_params, target_config_of
 from dflash_jax.drafter.model import DFlashDrafter
+from dflash_jax.dtypes import to_dtype
 from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.model import TargetModel
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-        return jnp.dtype(_DTYPES[dtype])
-    return jnp.dtype(dtype)
 
 
 def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) -> TargetModel:
@@ -48,7 +38,7 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
     if not path.is_dir():
         raise FileNotFoundError(f"target path {path} is not a directory (expected an HF model dir)")
     config = TargetConfig.from_pretrained(path)
-    dt = resolve_dtype(dtype)
+    dt = to_dtype(dtype)
     reader = CheckpointReader(path)
     if mesh is None:
         mesh = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])

@@ -41,11 +41,12 @@ class RegenReport:
 
 
 def encode_prompt(tokenizer, messages, enable_thinking=None) -> list[int]:
+    """Chat messages -> prompt token ids, ending with the generation prompt of the chat template."""
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
-    return list(out)
+    return [int(t) for t in out]
 
 
 def eos_ids(tokenizer, target_config) -> tuple[int, ...]:

