@@ -20,10 +20,11 @@ import numpy as np
 
 from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.dtypes import DTYPE_NAMES, to_dtype
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_DTYPES = DTYPE_NAMES  # the one dtype table (dflash_jax.dtypes)
 
 _L = "layers.{i}."
 DRAFTER_RULES = (
@@ -107,23 +108,13 @@ def unflatten(flat: dict) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
-def np_dtype(dtype: str):
-    """An export dtype name -> its numpy dtype (bfloat16 through ml_dtypes)."""
-    import ml_dtypes
-
-    table = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-    if dtype not in table:
-        raise ValueError(f"unsupported export dtype {dtype!r}; choose one of {list(EXPORT_DTYPES)}")
-    return table[dtype]
-
-
 def write_hf_drafter(
     path: str | Path, config: DrafterConfig, params: dict, dtype: str, hf_config: dict
 ) -> Path:
     """Write ``hf_config`` as config.json and the drafter's tensors as model.safetensors."""
     from safetensors.numpy import save_file
 
-    tensors = params_to_hf(params, config, np_dtype(dtype))
+    tensors = params_to_hf(params, config, to_dtype(dtype))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
