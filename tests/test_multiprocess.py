@@ -97,25 +97,15 @@ def test_shard_assignment_and_state_merge():
         shards.merge_states([{"num_shards": 2, "shards": {}}, {"num_shards": 4, "shards": {}}])
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from dflash_jax import assets
-
-    return AutoTokenizer.from_pretrained(assets.smollm2_dir())
-
-
-def test_global_batches_do_not_depend_on_the_process_count(tokenizer):
+def test_global_batches_do_not_depend_on_the_process_count(qwen):
     """1 process reading shards 0-3 yields exactly the rows that 2 processes (shards 0-1, 2-3)
     yield together, and a state saved by either continues on the other."""
     from dflash_jax.data.pipeline import DataConfig
 
     cfg = DataConfig(max_records=60, max_length=64, batch_size=4, prefetch=0, seed=1)
-    one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4)
+    one = shards.ShardedBatchIterator(cfg, qwen, num_shards=4)
     two = [
-        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4, process_index=p, process_count=2)
-        for p in (0, 1)
+        shards.ShardedBatchIterator(cfg, qwen, num_shards=4, process_index=p, process_count=2) for p in (0, 1)
     ]
     for _ in range(3):
         whole, parts = next(one), [next(it) for it in two]
@@ -125,11 +115,10 @@ def test_global_batches_do_not_depend_on_the_process_count(tokenizer):
     # 2 processes' states -> 1 process, and 1 process's state -> 2 processes
     merged = shards.merge_states([it.get_state() for it in two])
     assert merged == one.get_state()
-    resumed_one = shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4)
+    resumed_one = shards.ShardedBatchIterator(cfg, qwen, num_shards=4)
     resumed_one.set_state(merged)
     resumed_two = [
-        shards.ShardedBatchIterator(cfg, tokenizer, num_shards=4, process_index=p, process_count=2)
-        for p in (0, 1)
+        shards.ShardedBatchIterator(cfg, qwen, num_shards=4, process_index=p, process_count=2) for p in (0, 1)
     ]
     for it in resumed_two:
         it.set_state(one.get_state())
