@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from convert.safetensors_io import CheckpointReader
-from dflash_jax.sharding import named_sharding
+from dflash_jax.sharding import named_sharding, put_global
 from dflash_jax.target.config import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -113,11 +113,11 @@ def load_weights_into(
             parts = []
             for i in range(config.num_layers):
                 host = to_ours(rule, reader.get(rule.hf.format(i=i)), per_shape).astype(dtype)
-                parts.append(jax.device_put(host, per_sharding))
+                parts.append(put_global(host, per_sharding))
             value = _stack(parts, sharding)
         else:
             host = to_ours(rule, reader.get(rule.hf), shape).astype(dtype)
-            value = jax.device_put(host, sharding)
+            value = put_global(host, sharding)
         var.set_value(value)
         if progress:
             progress(rule.ours)

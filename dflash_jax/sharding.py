@@ -162,9 +162,18 @@ def shard_module(module, mesh: Mesh, rules=DEFAULT_RULES):
         if not hasattr(value, "shape"):
             continue
         axes = var.get_metadata().get("logical_axes")
-        var.set_value(jax.device_put(value, named_sharding(mesh, axes, value.shape, rules)))
+        var.set_value(put_global(value, named_sharding(mesh, axes, value.shape, rules)))
     nnx.update(module, state)
     return module
+
+
+def put_global(value, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put`` that also works in a multi-process run, where ``sharding`` spans other
+    processes' devices: every process passes the same full host value and places its own shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None):

@@ -18,15 +18,28 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import jax
 from flax import nnx
 
+from dflash_jax import distributed
 from dflash_jax.cli import cli
+from dflash_jax.config_io import ConfigError
 from dflash_jax.sharding import BATCH_AXES, logical_sharding, make_mesh, shard_module
 from dflash_jax.training.run_config import RunConfig, load_run_config
 
 log = logging.getLogger("dflash_jax.train")
+
+
+class NullLogger:
+    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
+
+    def log(self, step, metrics, prefix="train"):
+        pass
+
+    def close(self):
+        pass
 
 
 def check_plan(cfg: RunConfig, target_dir, mesh, device_memory: int | None = None, *, quiet=False):
@@ -68,7 +81,8 @@ def run(
 
     import dflash_jax
     from dflash_jax.checkpoint import Checkpointer, read_checkpoint_config
-    from dflash_jax.data.pipeline import make_train_iterator, to_global_batch
+    from dflash_jax.data.pipeline import to_global_batch
+    from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.training import evaluation, setup
     from dflash_jax.training import run_dir as run_dirs
@@ -79,13 +93,28 @@ def run(
 
     t_start = time.perf_counter()
     setup.check_data_sources(cfg)
-    run_dir = run_dirs.prepare(cfg.output_dir, resume=resume, overwrite=overwrite)
+    primary = distributed.is_primary()  # the one process that logs and writes outputs
+    # One process prepares (or replaces) the output dir; the others wait for it.
+    if primary:
+        run_dir = run_dirs.prepare(cfg.output_dir, resume=resume, overwrite=overwrite)
+    distributed.barrier("prepare_run_dir")
+    if not primary:
+        run_dir = Path(cfg.output_dir).resolve()
     if resume:
         stored, _ = read_checkpoint_config(run_dir)
         changed = run_dirs.check_resume_config(stored, cfg.to_dict())
         if changed:
             log.info("resuming with changed settings: %s", ", ".join(changed))
     mesh = make_mesh(cfg.mesh)
+    if jax.process_count() > 1:
+        if cfg.regen.enabled or cfg.eval.num_prompts:
+            raise ConfigError(
+                "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
+                "eval.num_prompts=0 for a multi-process run (measure tau with python -m dflash_jax.eval)"
+            )
+        if primary:  # prepare shared files (the tiny target, assets) once, before the others read them
+            setup.resolve_target(cfg, run_dir)
+        distributed.barrier("resolve_target")
     target_dir, tok_dir = setup.resolve_target(cfg, run_dir)
     check_plan(cfg, target_dir, mesh, device_memory, quiet=quiet)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -116,20 +145,26 @@ def run(
     resolved = cfg.to_dict()
     resolved["drafter_config"] = dcfg.to_dict()
     resolved["target_dir"] = str(target_dir)
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    if primary:
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
-    data_iter = make_train_iterator(
-        data_cfg, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
-    )
-    start_step = 0
+    start_step, data_state = 0, None
     if resume:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
         meta = ckpt.restore(drafter, optimizer, mesh=mesh)
-        start_step = int(meta["step"])
-        if meta.get("data_state") is not None:
-            data_iter.set_state(meta["data_state"])
+        start_step, data_state = int(meta["step"]), meta.get("data_state")
         log.info("resumed from step %d", start_step)
+    # This process's logical data shards (data/shards.py): batches independent of the process count.
+    data_iter = ShardedBatchIterator(
+        data_cfg,
+        tokenizer,
+        num_shards=resolve_num_shards(cfg.data.shards, jax.process_count(), data_state),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    if data_state is not None:
+        data_iter.set_state(data_state)
 
     # The learning-rate schedule's length, once estimated from the time budget, stays fixed
     # across resumes (see training/loop.py).
@@ -146,10 +181,12 @@ def run(
         return to_global_batch(batch, batch_sharding)
 
     def save(step, force, data_state):
+        # collective: every process's shard positions go into the checkpoint
+        data_state = merge_states(distributed.allgather_json(data_state))
         ckpt.save(step, drafter, optimizer, data_state, resolved, force=force)
 
     held_batches = [put(b) for b in evaluation.heldout_batches(tokenizer, heldout_cfg)]
-    logger = MetricLogger(run_dir, resume_step=start_step if resume else None)
+    logger = MetricLogger(run_dir, resume_step=start_step if resume else None) if primary else NullLogger()
     eval_key = jax.random.key(cfg.train.seed + 1)
     result = {"run_dir": str(run_dir), "start_step": start_step}
 
@@ -190,7 +227,7 @@ def run(
                 start_step=start_step,
                 resumed=resume,
                 stop_at_step=stop_at_step,
-                quiet=quiet,
+                quiet=quiet or not primary,
                 max_wait_s=data_cfg.max_wait_s,
                 check_saves=ckpt.check,
                 decay_steps=decay_steps,
@@ -211,7 +248,8 @@ def run(
         heldout_streak(done.step, "after")
         heldout_tau("after")
     logger.close()
-    result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
+    if primary:
+        result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
     result["checkpoint_dir"] = str(ckpt.directory)
     result["total_seconds"] = time.perf_counter() - t_start
     result["drafter"] = drafter
@@ -219,6 +257,7 @@ def run(
     return result
 
 
+@distributed.exit_on_error
 @cli
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 an expected error (one ``error: ...`` line), 143/130 stopped by
@@ -252,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bytes per device for --plan and the pre-flight check, e.g. 80GB (default: what the devices report)",
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    distributed.initialize_from(args)  # before any jax computation
+    distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
     from dflash_jax import plan
 
@@ -281,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     except plan.PlanDoesNotFit as e:
         print(f"does not fit, nothing loaded:\n{e}", file=sys.stderr)
         return 3
+    if not distributed.is_primary():
+        return 0
     result = {k: v for k, v in result.items() if k not in ("drafter", "target")}
     print(json.dumps(result, indent=2))
     print(f"outputs: {result['run_dir']} (metrics.jsonl, metrics.png, tensorboard/, checkpoints/)")

@@ -71,6 +71,9 @@ class DataConfig:
     num_workers:    tokenising worker processes (0 = in-process)
     read_threads:   tokenising threads per process
     prefetch:       buffered batches (and per-worker buffered documents)
+    shards:         logical data shards, each read and packed on its own (data/shards.py); batches
+                    are the same for every process count dividing it. None: the resumed
+                    checkpoint's count, else one per process
     """
 
     sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple
@@ -94,6 +97,7 @@ class DataConfig:
     num_workers: int = 0
     read_threads: int = 1
     prefetch: int = 2
+    shards: int | None = None
 
     def __post_init__(self):
         srcs = self.sources
@@ -122,6 +126,7 @@ class DataConfig:
         check_int("num_workers", 0)
         check_int("read_threads", 0)
         check_int("prefetch", 0)
+        check_int("shards", 1)
         check_int("seed", 0)
         if self.seed >= 2**32:
             raise ValueError(f"DataConfig.seed must be < 2**32, got {self.seed}")
