@@ -1,18 +1,11 @@
-"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3), as data.
+"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3, Qwen3.5), as ``KeyRule``
+data (``convert.hf_mapping``); our layer parameters are stacked (leading layer dimension).
 
-Each ``KeyRule`` ties one of our parameters to an HF key (``{i}`` = layer index for stacked
-parameters) with a layout kind that defines both directions:
-
-  linear: HF stores ``[out, in]``; we store ``[*in_dims, *out_dims]`` (named einsum layout).
-          ours = hf.T.reshape(our_shape);  hf = ours.reshape(hf_shape[::-1]).T
-  vector: flattened in HF (norm weights, biases: ours may split heads, e.g. [N, H]).
-  copy:   the same shape on both sides (embeddings).
-  conv:   HF depthwise Conv1d weight ``[C, 1, W]``; ours ``[C, W]``.
-
-Qwen3.5 hybrids: ``layers`` on a rule lists the HF layer indices its stacked rows come from (the
-full- or linear-attention layers); the text weights sit under ``model.`` (Qwen3_5ForCausalLM) or
-``model.language_model.`` (the vision-language checkpoint), and the vision tower (``model.visual.*``)
-and multi-token-prediction head (``mtp.*``) are skipped by an explicit rule.
+Qwen3.5 hybrids: ``attn.*`` / ``gdn.*`` rows come from the full- / linear-attention layers (the
+rules' ``layers``); the text weights sit under ``model.`` (Qwen3_5ForCausalLM) or
+``model.language_model.`` (the vision-language checkpoint, picked by the keys present), and the
+vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``) are skipped by an
+explicit rule, logged, never silently.
 
 Loading is strict: every expected key must exist with the expected shape and nothing else may be
 in the checkpoint; each tensor goes straight from a memory-mapped file onto its mesh sharding.
@@ -21,9 +14,7 @@ in the checkpoint; each tensor goes straight from a memory-mapped file onto its 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from convert.safetensors_io import CheckpointReader
 from dflash_jax.sharding import named_sharding
 from dflash_jax.target.config import TargetConfig
@@ -38,34 +30,17 @@ from dflash_jax.target.config import TargetConfig
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KeyRule:
-    ours: str  # dotted path in the NNX state, e.g. "layers.q"
-    hf: str  # HF key; "{i}" is the layer index for stacked params
-    kind: str  # "linear" | "vector" | "copy" | "conv"
-    in_dims: int = 1  # linear only: how many leading dims of ours are the input side
-    layers: tuple[int, ...] | None = None  # stacked: HF layer index of each row (None: 0..L-1)
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
-
-    def layer_indices(self, config: TargetConfig) -> tuple[int, ...]:
-        return tuple(range(config.num_layers)) if self.layers is None else self.layers
-
-
 # Keys some HF checkpoints carry that hold no weights we need.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-# Qwen3.5 checkpoint parts we do not use, skipped by name (never silently).
+# Qwen3.5 checkpoint parts we do not use, skipped by name.
 HYBRID_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 VL_TEXT_PREFIX = "model.language_model."
 
 
 def checkpoint_prefix(config: TargetConfig, keys) -> str:
-    """Where the text model's weights sit: ``model.`` or, for Qwen3.5 VL checkpoints,
-    ``model.language_model.``."""
+    """Where the text model's weights sit: ``model.`` or (Qwen3.5 VL) ``model.language_model.``."""
     if config.is_hybrid and any(k.startswith(VL_TEXT_PREFIX) for k in keys):
         return VL_TEXT_PREFIX
     return "model."
@@ -87,7 +62,7 @@ def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
         rules.append(KeyRule("lm_head", "lm_head.weight", "linear"))
     A, G = L + "self_attn.", L + "linear_attn."
     rules += [
-        KeyRule("attn.q", A + "q_proj.weight", "linear", layers=full),
+        KeyRule("attn.q", A + "q_proj.weight", "linear", layers=full),  # per head [query ; gate]
         KeyRule("attn.k", A + "k_proj.weight", "linear", layers=full),
         KeyRule("attn.v", A + "v_proj.weight", "linear", layers=full),
         KeyRule("attn.o", A + "o_proj.weight", "linear", in_dims=2, layers=full),
@@ -143,31 +118,6 @@ def target_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
     return rules
 
 
-def hf_shape(rule: KeyRule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF tensor shape for one (unstacked) parameter of ours."""
-    if rule.kind == "copy":
-        return tuple(our_shape)
-    if rule.kind == "conv":
-        return (our_shape[0], 1, our_shape[1])
-    if rule.kind == "vector":
-        return (math.prod(our_shape),)
-    ins, outs = our_shape[: rule.in_dims], our_shape[rule.in_dims :]
-    return (math.prod(outs), math.prod(ins))
-
-
-def to_ours(rule: KeyRule, hf_array: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
-    if rule.kind == "linear":
-        return np.ascontiguousarray(hf_array.T).reshape(our_shape)
-    return hf_array.reshape(our_shape)
-
-
-def to_hf(rule: KeyRule, ours: np.ndarray) -> np.ndarray:
-    shape = hf_shape(rule, ours.shape)
-    if rule.kind == "linear":
-        return np.ascontiguousarray(ours.reshape(shape[::-1]).T)
-    return ours.reshape(shape)
-
-
 def _state_index(state: nnx.State) -> dict[str, nnx.Variable]:
     return {".".join(str(p) for p in path): var for path, var in state.flat_state()}
 
@@ -176,39 +126,23 @@ def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: 
     """Strict key accounting before any tensor is read: raises naming every problem found."""
     rules = target_key_map(config, checkpoint_prefix(config, reader.keys()))
     expected: dict[str, tuple[int, ...]] = {}
-    for rule in rules:
-        if rule.ours not in variables:
-            raise KeyError(f"internal: key map names {rule.ours!r}, which the model does not have")
-        shape = tuple(variables[rule.ours].shape)
-        per = shape[1:] if rule.stacked else shape
-        want = hf_shape(rule, per)
-        for i in rule.layer_indices(config) if rule.stacked else [None]:
-            expected[rule.hf.format(i=i)] = want
-    present = set(reader.keys())
-    missing = sorted(set(expected) - present)
+    for rule, ours, hf, layer in entries(rules, config.num_layers):
+        if ours not in variables:
+            raise KeyError(f"internal: key map names {ours!r}, which the model does not have")
+        shape = tuple(variables[ours].shape)
+        expected[hf] = hf_shape(rule, shape[1:] if layer is not None else shape)
+    present = {k: tuple(reader.shape(k)) for k in reader.keys()}
     ignorable = {k for k in present if k.endswith(_IGNORABLE_SUFFIXES)}
     if config.is_hybrid:
         skipped = {k for k in present if k.startswith(HYBRID_SKIPPED_PREFIXES)}
         if skipped:
             log.info("skipping %d vision / MTP tensors (%s)", len(skipped), ", ".join(HYBRID_SKIPPED_PREFIXES))
         ignorable |= skipped
-    if config.tie_word_embeddings and "lm_head.weight" in present:
+    if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exports keep the tied copy; it must equal embed_tokens
-    unexpected = sorted(present - set(expected) - ignorable)
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(
-            f"unexpected tensors: {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else "")
-        )
-    for key, want in expected.items():
-        if key in present and tuple(reader.shape(key)) != want:
-            problems.append(f"tensor {key!r} has shape {tuple(reader.shape(key))}, expected {want}")
-    if problems:
-        raise ValueError(
-            f"checkpoint {reader.directory} does not match its config.json: " + "; ".join(problems)
-        )
+    check_tensors(
+        f"checkpoint {reader.directory} does not match its config.json", expected, present, ignorable
+    )
     return rules
 
 
@@ -237,7 +171,7 @@ def load_weights_into(
             per_shape = shape[1:]
             per_sharding = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
             parts = []
-            for i in rule.layer_indices(config):
+            for i in rule.layer_indices(config.num_layers):
                 host = to_ours(rule, reader.get(rule.hf.format(i=i)), per_shape).astype(dtype)
                 parts.append(jax.device_put(host, per_sharding))
             value = _stack(parts, sharding)
@@ -262,7 +196,7 @@ def export_target_state(model: nnx.Module) -> dict[str, np.ndarray]:
     for rule in target_key_map(config):
         value = np.asarray(jax.device_get(variables[rule.ours][...]))
         if rule.stacked:
-            for row, i in enumerate(rule.layer_indices(config)):
+            for row, i in enumerate(rule.layer_indices(config.num_layers)):
                 out[rule.hf.format(i=i)] = to_hf(rule, value[row])
         else:
             out[rule.hf] = to_hf(rule, value)

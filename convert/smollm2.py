@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from convert.logs import add_verbose_flag, configure_logging
 from dflash_jax.assets import cache_root, smollm2_gguf_path
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,12 @@ def default_dir(cache_dir: str | Path | None = None) -> Path:
     """``<cache_dir or cache_root()>/smollm2-135m-instruct``."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     return root / SUBDIR
+
+
+def smollm2_dir() -> Path:
+    """HF directory of SmolLM2-135M-Instruct (fp32 safetensors, tokenizer, chat template) under the
+    cache root, converted from the packaged GGUF on first use (about half a minute on CPU)."""
+    return prepare_smollm2()
 
 
 def read_marker(path: str | Path) -> dict | None:
@@ -315,8 +322,9 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-dir", type=Path, help="cache root (default: $DFLASH_JAX_CACHE or ~/.cache/dflash_jax)"
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     print(prepare_smollm2(args.cache_dir, out_dir=args.out, force=args.force))
 
 

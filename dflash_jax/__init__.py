@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "load_target": "dflash_jax.target.loader",
+    "load_target": "dflash_jax.loading",
     "TargetConfig": "dflash_jax.target.config",
     "TargetModel": "dflash_jax.target.model",
     "DrafterConfig": "dflash_jax.drafter.config",
     "DFlashDrafter": "dflash_jax.drafter.model",
     "init_drafter": "dflash_jax.drafter.api",
-    "load_drafter": "dflash_jax.drafter.api",
+    "load_drafter": "dflash_jax.loading",
     "speculative_generate": "dflash_jax.speculative",
     "evaluate": "dflash_jax.eval",
     "make_mesh": "dflash_jax.sharding",

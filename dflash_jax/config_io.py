@@ -1,11 +1,15 @@
 """Nested frozen-dataclass configs from YAML files plus ``section.key=value`` overrides.
 
-Unknown keys, wrong types and bad values are errors that name the full dotted key.
+The one config mechanism: field types (``int``, ``bool``, ``Literal[...]``, tuples, nested
+dataclasses, optionals) are the schema. :func:`from_dict` loads a mapping and rejects unknown keys;
+:func:`check_fields`, called from a config's ``__post_init__``, applies the same type check to
+direct construction. Unknown keys, wrong types and bad values are errors that name the full dotted key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -52,8 +56,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: must be one of {list(args)}, got {value!r}")
+        if isinstance(value, bool) or value not in args:
+            raise ConfigError(f"{where}: unknown {value!r}; must be one of {list(args)}")
         return value
     if origin is dict:
         if not isinstance(value, dict):
@@ -80,16 +84,30 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls, data: dict, where: str = ""):
-    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys."""
+@functools.cache
+def _field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def check_fields(obj) -> None:
+    """Type-check (and normalise: lists -> tuples, ints -> floats) every field of dataclass ``obj``
+    in place; errors name ``ClassName.field``."""
+    cls = type(obj)
+    for name, tp in _field_types(cls).items():
+        value = _coerce(getattr(obj, name), tp, f"{cls.__name__}.{name}")
+        object.__setattr__(obj, name, value)
+
+
+def from_dict(cls, data: typing.Mapping, where: str = ""):
+    """Build dataclass ``cls`` from a (nested) mapping, rejecting unknown keys."""
+    hints = _field_types(cls)
+    unknown = sorted(set(data) - set(hints))
     if unknown:
         prefix = f"{where}." if where else ""
         raise ConfigError(
-            f"unknown config key(s): {', '.join(prefix + k for k in unknown)}; "
-            f"valid keys{' in ' + where if where else ''}: {', '.join(sorted(fields))}"
+            f"unknown keys {[prefix + k for k in unknown]} in {where or cls.__name__}; "
+            f"valid keys: {', '.join(sorted(hints))}"
         )
     kwargs = {}
     for name, value in data.items():

@@ -44,6 +44,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES
+
 log = logging.getLogger(__name__)
 
 
@@ -57,32 +59,16 @@ class PromptError(ValueError):
 
 
 def _chat_messages(obj: dict, where: str) -> list[dict]:
-    from dflash_jax.data.sources import ROLE_ALIASES, prompt_messages
+    """The turns of a chat prompt record up to the first assistant reply."""
+    from dflash_jax.data.sources import BadRecordError, prompt_messages, record_turns
 
-    turns = obj.get("messages", obj.get("conversations"))
-    if not isinstance(turns, list) or not turns:
-        raise PromptError(f"{where}: 'messages' must be a non-empty list")
-    out = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise PromptError(f"{where}: messages[{i}] is not an object")
-        role = ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))).strip().lower())
-        content = t.get("content", t.get("value"))
-        if role is None or not isinstance(content, str):
-            raise PromptError(f"{where}: messages[{i}] needs a known 'role' and a string 'content'")
-        out.append({"role": role, "content": content})
-    out = prompt_messages(out)
+    try:
+        out = prompt_messages(record_turns(obj, origin=where))
+    except BadRecordError as e:
+        raise PromptError(str(e)) from None
     if not out:
         raise PromptError(f"{where}: no turn before the first assistant reply")
     return out
-
-
-def encode_chat(tokenizer, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return [int(t) for t in out]
 
 
 def load_prompts(
@@ -93,6 +79,8 @@ def load_prompts(
     ``tokenizer`` may be a tokenizer or a zero-argument callable returning one (loaded only when a
     text prompt needs it). Errors name the line.
     """
+    from dflash_jax.regenerate import encode_prompt
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
@@ -136,9 +124,9 @@ def load_prompts(
                 if not isinstance(obj["prompt"], str):
                     raise PromptError(f"{where}: 'prompt' must be a string")
                 msgs = [{"role": "user", "content": obj["prompt"]}]
-                ids = encode_chat(get_tokenizer(where), msgs, enable_thinking)
+                ids = encode_prompt(get_tokenizer(where), msgs, enable_thinking)
             elif "messages" in obj or "conversations" in obj:
-                ids = encode_chat(get_tokenizer(where), _chat_messages(obj, where), enable_thinking)
+                ids = encode_prompt(get_tokenizer(where), _chat_messages(obj, where), enable_thinking)
             else:
                 raise PromptError(f"{where}: needs one of 'input_ids', 'prompt', 'messages'")
             prompts.append({"id": str(obj.get("id", len(prompts))), "input_ids": [int(t) for t in ids]})
@@ -396,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "--enable-thinking", choices=("on", "off"), default=None, help="chat template switch (Qwen3)"
     )
     p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafter compute dtype"
+        "--dtype", default="float32", choices=COMPUTE_DTYPE_NAMES, help="target and drafter compute dtype"
     )
     p.add_argument("--attention-impl", default="xla", choices=("xla", "reference", "pallas"))
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no tokens/s comparison)")
@@ -411,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import dflash_jax
-    from dflash_jax.drafter.api import load_drafter
     from dflash_jax.generate import SamplingConfig
+    from dflash_jax.loading import load_drafter
 
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

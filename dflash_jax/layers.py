@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from dflash_jax.config_io import check_fields
 
 
 def param(rngs: nnx.Rngs | None, shape, logical_axes, dtype, init="normal", scale=0.02):
@@ -52,19 +55,14 @@ class RopeConfig:
     """RoPE settings in HF terms. ``rope_type`` is one of default | linear | llama3."""
 
     theta: float = 10000.0
-    rope_type: str = "default"
+    rope_type: Literal["default", "linear", "llama3"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
-    SUPPORTED = ("default", "linear", "llama3")
-
     def __post_init__(self):
-        if self.rope_type not in self.SUPPORTED:
-            raise ValueError(
-                f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(self.SUPPORTED)}"
-            )
+        check_fields(self)
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
 

@@ -41,11 +41,12 @@ class RegenReport:
 
 
 def encode_prompt(tokenizer, messages, enable_thinking=None) -> list[int]:
+    """Chat messages -> prompt token ids, ending with the generation prompt of the chat template."""
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
-    return list(out)
+    return [int(t) for t in out]
 
 
 def eos_ids(tokenizer, target_config) -> tuple[int, ...]:
@@ -143,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    target_dir = assets.smollm2_dir() if args.target == "smollm2" else args.target
+    target_dir = smollm2_dir() if args.target == "smollm2" else args.target
     target = dflash_jax.load_target(target_dir, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     records = read_records(args.data, args.num_prompts)

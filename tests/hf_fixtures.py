@@ -75,5 +75,14 @@ def save_hf_model(kind: str, directory: Path, seed: int = 0, max_shard_size=None
     return directory
 
 
+def tiny_target(directory: Path, kind: str = "qwen3", seed: int = 0):
+    """A tiny random HF model saved to ``directory`` and loaded as our target -> (hf model, target)."""
+    import dflash_jax
+
+    model = make_hf_model(kind, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model, dflash_jax.load_target(directory)
+
+
 def prompt_ids(length: int, vocab: int, seed: int = 0, batch: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=(batch, length), dtype=np.int64)

@@ -13,11 +13,6 @@ from dflash_jax.data.chat import ChatTemplateError, end_of_turn_token, tokenize_
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    return AutoTokenizer.from_pretrained(assets.qwen3_tokenizer_dir())
-
-
-@pytest.fixture(scope="module")
 def smollm2():
     try:  # the converted HF directory, if some earlier run prepared it (fast)
         from convert.smollm2 import default_dir, is_prepared

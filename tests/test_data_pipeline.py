@@ -6,20 +6,13 @@ import random
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from dflash_jax import assets
 from dflash_jax.data import packing, pipeline, sources
 from dflash_jax.data.chat import tokenize_conversation
 from dflash_jax.data.pipeline import DataConfig, load_heldout_prompts, make_train_iterator
 
 MAX_LEN = 96
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho sigma tau".split()
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return AutoTokenizer.from_pretrained(assets.qwen3_tokenizer_dir())
 
 
 def _text(rng, lo, hi):

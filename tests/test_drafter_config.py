@@ -5,24 +5,12 @@ from __future__ import annotations
 import types
 
 import pytest
+from fixtures import stub_target_config
 
 from dflash_jax.drafter.config import DrafterConfig, build_target_layer_ids
 from dflash_jax.layers import RopeConfig
 
-TARGET = types.SimpleNamespace(
-    model_type="qwen3",
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=36,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope=RopeConfig(theta=1e6),
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-)
+TARGET = stub_target_config()
 
 
 def make(**kw):
@@ -71,7 +59,7 @@ def test_for_target_takes_the_targets_shape():
         (dict(attention_impl="flash"), "attention_impl"),
         (dict(compute_dtype="float64"), "compute_dtype"),
         (dict(num_layers=0), "num_layers"),
-        (dict(bogus=1), r"unknown fields \['bogus'\]"),
+        (dict(bogus=1), r"unknown keys \['bogus'\]"),
     ],
 )
 def test_validation_names_the_field(kw, match):

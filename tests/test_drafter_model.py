@@ -7,12 +7,11 @@ sharing keys, no document check, causal in-block mask, slot positions off by one
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures import StubTarget, stub_target_config
 from flax import nnx
 
 from dflash_jax.drafter.api import get_params, init_drafter, set_params
@@ -23,36 +22,21 @@ from dflash_jax.layers import RopeConfig
 D, V, N_TARGET, S = 32, 64, 6, 4
 
 
-class StubTarget:
-    """The duck-typed target interface the drafter relies on: config, embed, logits."""
-
-    def __init__(self, seed=0):
-        rng = np.random.default_rng(seed)
-        self.embed_table = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
-        self.lm_head = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32) * 0.1)
-        self.config = types.SimpleNamespace(
-            model_type="qwen3",
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=48,
-            num_layers=N_TARGET,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            rms_norm_eps=1e-6,
-            rope=RopeConfig(theta=10000.0),
-            tie_word_embeddings=False,
-            max_position_embeddings=4096,
-        )
-
-    def embed(self, ids):
-        return self.embed_table[ids]
-
-    def logits(self, hidden):
-        return hidden @ self.lm_head
-
-
-TARGET = StubTarget()
+TARGET = StubTarget(
+    stub_target_config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_layers=N_TARGET,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
+)
 
 
 def make_config(**kw):

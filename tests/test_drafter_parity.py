@@ -20,16 +20,19 @@ dflash_model = pytest.importorskip("dflash.model")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from fixtures import stub_target_config  # noqa: E402
 from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
-from convert.zlab_drafter import read_hf_tensors, write_zlab_drafter  # noqa: E402
-from dflash_jax.drafter.api import get_params, init_drafter, load_drafter, set_params  # noqa: E402
+from convert.zlab_drafter import WEIGHTS_FILE, write_zlab_drafter  # noqa: E402
+from dflash_jax.drafter.api import get_params, init_drafter, set_params  # noqa: E402
 from dflash_jax.drafter.model import crop, init_cache  # noqa: E402
+from dflash_jax.loading import load_drafter  # noqa: E402
 
 D, KD, V, S = 64, 3 * 64, 128, 8
 LAYER_IDS = [1, 3, 4]
-TARGET = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=D, vocab_size=V, num_layers=6))
+TARGET = types.SimpleNamespace(config=stub_target_config(hidden_size=D, vocab_size=V, num_layers=6))
 VARIANTS = {
     "full": {},
     # A sliding layer (z-lab: causal in the block by default), window smaller than the context.
@@ -252,7 +255,7 @@ def test_exported_drafter_loads_in_zlab(zlab, tmp_path):
     # And bf16 export: the written file really is bf16 and reloads close to the original.
     write_zlab_drafter(tmp_path / "bf16", drafter.config, get_params(drafter))
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert str(read_hf_tensors(tmp_path / "bf16")["fc.weight"].dtype) == "bfloat16"
+    assert str(load_file(tmp_path / "bf16" / WEIGHTS_FILE)["fc.weight"].dtype) == "bfloat16"
 
 
 def test_loader_strict_key_accounting(zlab, tmp_path):
@@ -260,7 +263,7 @@ def test_loader_strict_key_accounting(zlab, tmp_path):
 
     if zlab.name != "full":
         pytest.skip("one variant is enough")
-    tensors = read_hf_tensors(zlab.path)
+    tensors = load_file(zlab.path / WEIGHTS_FILE)
     config = (zlab.path / "config.json").read_text()
 
     def write(name, ts):
@@ -271,16 +274,14 @@ def test_loader_strict_key_accounting(zlab, tmp_path):
         return d
 
     missing = {k: v for k, v in tensors.items() if k != "layers.1.mlp.up_proj.weight"}
-    with pytest.raises(ValueError, match=r"missing keys \['layers.1.mlp.up_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing tensors: layers\.1\.mlp\.up_proj\.weight"):
         load_drafter(write("missing", missing), TARGET)
     extra = {**tensors, "lm_head.weight": np.zeros((V, D), np.float32)}
-    with pytest.raises(ValueError, match=r"unexpected keys \['lm_head.weight'\]"):
+    with pytest.raises(ValueError, match=r"unexpected tensors: lm_head\.weight"):
         load_drafter(write("extra", extra), TARGET)
     bad = {**tensors, "fc.weight": np.zeros((D, 2 * D), np.float32)}
-    with pytest.raises(ValueError, match="fc.weight has shape"):
+    with pytest.raises(ValueError, match=r"'fc\.weight' has shape \(64, 128\)"):
         load_drafter(write("shape", bad), TARGET)
-    wrong_target = types.SimpleNamespace(
-        config=types.SimpleNamespace(hidden_size=D, vocab_size=V, num_layers=8)
-    )
+    wrong_target = types.SimpleNamespace(config=stub_target_config(hidden_size=D, vocab_size=V, num_layers=8))
     with pytest.raises(ValueError, match="target_num_layers=6"):
         load_drafter(zlab.path, wrong_target)

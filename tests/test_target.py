@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_fixtures import make_hf_model, prompt_ids
+from hf_fixtures import make_hf_model, prompt_ids, save_hf_model
 
 import dflash_jax
 from dflash_jax.sharding import MeshConfig, make_mesh
@@ -165,9 +165,7 @@ def test_kv_cache_decode_matches_full_forward(tmp_path):
 
 @pytest.fixture(scope="module")
 def good_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("good")
-    make_hf_model("qwen3", seed=8).save_pretrained(d, safe_serialization=True)
-    return d
+    return save_hf_model("qwen3", tmp_path_factory.mktemp("good"), seed=8)
 
 
 def _rewrite(src, dst, edit):

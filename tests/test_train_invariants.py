@@ -7,22 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import make_hf_model, prompt_ids
+from hf_fixtures import prompt_ids, tiny_target
 
 import dflash_jax
 from dflash_jax.training.anchors import anchor_candidates, sample_anchors
 from dflash_jax.training.loss import chunked_token_loss, default_gamma, slot_weights, target_argmax
-from dflash_jax.training.step import StepConfig, block_loss, drafter_loss, target_pass
+from dflash_jax.training.run_config import TrainSection
+from dflash_jax.training.step import block_loss, drafter_loss, target_pass
 
 B = 8
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    hf = make_hf_model("qwen3", seed=11)
-    hf.save_pretrained(d)
-    return hf, dflash_jax.load_target(d)
+    return tiny_target(tmp_path_factory.mktemp("qwen3"), seed=11)
 
 
 def packed_batch(T=192, seed=0):
@@ -49,8 +47,8 @@ def test_labels_are_the_targets_own_next_token_logits(tiny, kind):
     (the labels the loss actually uses, for both loss kinds)."""
     hf, target = tiny
     batch = packed_batch()
-    cfg = StepConfig(block_size=B, max_anchors=12, target_layer_ids=(0, 2), loss=kind, loss_chunk=64)
-    _, hidden = target_pass(target, batch, cfg)
+    cfg = TrainSection(max_anchors=12, loss=kind, loss_chunk=64)
+    _, hidden = target_pass(target, batch, (0, 2))
     anchors, valid = sample_anchors(
         jax.random.key(0), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=12
     )
@@ -106,8 +104,8 @@ def test_slot_zero_carries_no_loss_and_slot_one_does(tiny):
     """Invariant 5: slot 0 (the real token at the anchor) is never in the loss."""
     _, target = tiny
     batch = packed_batch()
-    cfg = StepConfig(block_size=B, max_anchors=8, target_layer_ids=(0, 2))
-    _, hidden = target_pass(target, batch, cfg)
+    cfg = TrainSection(max_anchors=8)
+    _, hidden = target_pass(target, batch, (0, 2))
     anchors, valid = sample_anchors(
         jax.random.key(1), batch["loss_mask"], batch["segment_ids"], block_size=B, max_anchors=8
     )
@@ -144,8 +142,8 @@ def test_feature_noise_never_touches_labels(tiny):
     batch = packed_batch()
     dcfg = dflash_jax.DrafterConfig.for_target(target.config, num_layers=1, mask_token_id=3, block_size=B)
     drafter = dflash_jax.init_drafter(dcfg, target, 0)
-    base = StepConfig(block_size=B, max_anchors=8, target_layer_ids=tuple(dcfg.target_layer_ids))
-    noisy = StepConfig(**{**base.__dict__, "feature_noise_std": 5.0})
+    base = TrainSection(max_anchors=8)
+    noisy = TrainSection(max_anchors=8, feature_noise_std=5.0)
 
     def labels_and_loss(cfg):
         loss, m = drafter_loss(drafter, target, batch, jax.random.key(4), cfg, with_labels=True)

@@ -38,6 +38,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
+from dflash_jax.config_io import check_fields, from_dict
 from dflash_jax.data import chat, packing, splits
 from dflash_jax.data import sources as data_sources
 
@@ -68,13 +69,13 @@ class DataConfig:
     prefetch:       buffered batches (and per-worker buffered documents)
     """
 
-    sources: tuple[str, ...] = (data_sources.SHAREGPT,)
+    sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple
     max_length: int = 2048
     batch_size: int = 8
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = None
-    on_bad_record: str = "skip"
+    on_bad_record: data_sources.OnBadRecord = "skip"
     enable_thinking: bool | None = None
     chat_template: str | None = None
     eot_token: str | None = None
@@ -97,57 +98,41 @@ class DataConfig:
                 f"DataConfig.sources must be a non-empty list of paths or 'sharegpt', got {srcs!r}"
             )
         object.__setattr__(self, "sources", tuple(os.fspath(s) for s in srcs))
+        check_fields(self)  # types and choices; the ranges below
 
-        def check_int(name, lo, allow_none=False):
+        def check_int(name, lo):
             v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            if v is not None and v < lo:
                 raise ValueError(f"DataConfig.{name} must be an integer >= {lo}, got {v!r}")
 
         check_int("max_length", 1)
         check_int("batch_size", 1)
-        check_int("num_epochs", 1, allow_none=True)
-        check_int("heldout_count", 0, allow_none=True)
+        check_int("num_epochs", 1)
+        check_int("heldout_count", 0)
         check_int("heldout_seed", 0)
-        check_int("max_records", 1, allow_none=True)
+        check_int("max_records", 1)
         check_int("min_loss_tokens", 0)
-        check_int("packing_bins", 1, allow_none=True)
+        check_int("packing_bins", 1)
         check_int("num_workers", 0)
         check_int("read_threads", 0)
         check_int("prefetch", 0)
         check_int("seed", 0)
         if self.seed >= 2**32:
             raise ValueError(f"DataConfig.seed must be < 2**32, got {self.seed}")
-        for name in ("shuffle",):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"DataConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
-            raise ValueError(
-                f"DataConfig.enable_thinking must be true, false or null, got {self.enable_thinking!r}"
-            )
-        if self.on_bad_record not in data_sources.ON_BAD_RECORD:
-            raise ValueError(
-                f"DataConfig.on_bad_record must be one of {data_sources.ON_BAD_RECORD}, got {self.on_bad_record!r}"
-            )
         f = self.heldout_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+        if not 0.0 <= f < 1.0:
             raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")
         if self.heldout_count is not None and f > 0:
             raise ValueError("DataConfig: set heldout_fraction or heldout_count, not both")
         for name in ("chat_template", "eot_token"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
+            if v == "":
                 raise ValueError(f"DataConfig.{name} must be a non-empty string or null, got {v!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DataConfig:
-        """Build from a mapping (e.g. a YAML section); unknown keys are an error naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"DataConfig: unknown keys {unknown} (known: {sorted(names)})")
-        return cls(**dict(d))
+        """Build from a mapping (e.g. a YAML section) through config_io: unknown keys are an error."""
+        return from_dict(cls, d)
 
     def rows_per_process(self, process_count: int) -> int:
         if process_count < 1 or self.batch_size % process_count:

@@ -23,8 +23,9 @@ import os
 import re
 import tempfile
 import threading
+import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -46,7 +47,8 @@ ROLE_ALIASES: Mapping[str, str] = {
     "bard": "assistant",
     "model": "assistant",
 }
-ON_BAD_RECORD = ("skip", "fail")
+OnBadRecord = Literal["skip", "fail"]
+ON_BAD_RECORD: tuple[str, ...] = typing.get_args(OnBadRecord)
 _LOG_FIRST_SKIPS = 5  # individual warnings per file before only counting
 
 
@@ -75,13 +77,9 @@ def _invalid(reason: str, message: str) -> _Invalid:
     return _Invalid(reason, message)
 
 
-def normalize_record(obj: Any, *, default_id: str) -> dict:
-    """One raw record (ShareGPT ``conversations`` or OpenAI ``messages``) -> normalised form.
-
-    Trailing non-assistant turns are dropped (they would only add untrained tokens); a record
-    without any assistant turn is invalid. Raises ``_Invalid`` (use :func:`validate_record` for a
-    public error).
-    """
+def _record_turns(obj: Any) -> list[dict]:
+    """Every turn of a raw record (ShareGPT ``conversations`` or OpenAI ``messages``) as
+    ``{"role", "content"}`` with our three roles; raises ``_Invalid``."""
     if not isinstance(obj, dict):
         raise _invalid("not_an_object", f"record is a JSON {type(obj).__name__}, expected an object")
     if "conversations" in obj:
@@ -116,6 +114,26 @@ def normalize_record(obj: Any, *, default_id: str) -> dict:
         if not content.strip():
             raise _invalid("empty_content", f"{field}[{i}] ({speaker}) content is empty")
         messages.append({"role": role, "content": content})
+    return messages
+
+
+def record_turns(obj: Any, *, origin: str = "<record>") -> list[dict]:
+    """Every turn of a raw record (no assistant reply needed: prompt files) or
+    :class:`BadRecordError` naming ``origin``."""
+    try:
+        return _record_turns(obj)
+    except _Invalid as e:
+        raise BadRecordError(origin, e.reason, e.message) from None
+
+
+def normalize_record(obj: Any, *, default_id: str) -> dict:
+    """One raw record (ShareGPT ``conversations`` or OpenAI ``messages``) -> normalised form.
+
+    Trailing non-assistant turns are dropped (they would only add untrained tokens); a record
+    without any assistant turn is invalid. Raises ``_Invalid`` (use :func:`validate_record` for a
+    public error).
+    """
+    messages = _record_turns(obj)
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
     if not messages:

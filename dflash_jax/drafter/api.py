@@ -1,8 +1,7 @@
-"""Public entry points: create a drafter for a target, or load one from disk."""
+"""Create a drafter for a target and get or set its parameters (loading one from disk:
+``dflash_jax.loading.load_drafter``)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.drafter.model import DFlashDrafter
 
 
-def _target_config(target):
+def target_config_of(target):
     """Accept a target model (with ``.config``) or its config."""
     return getattr(target, "config", target)
 
@@ -23,7 +22,7 @@ def init_drafter(config: DrafterConfig, target, rng: int | jax.Array | nnx.Rngs 
     ``target``: the target model or its config (duck-typed; only sizes are read). None skips the check.
     """
     if target is not None:
-        config.check_target(_target_config(target))
+        config.check_target(target_config_of(target))
     rngs = rng if isinstance(rng, nnx.Rngs) else nnx.Rngs(params=rng)
     return DFlashDrafter(config, rngs=rngs)
 
@@ -44,21 +43,3 @@ def set_params(drafter: DFlashDrafter, params: dict) -> DFlashDrafter:
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, pdt), params))
     nnx.update(drafter, state)
     return drafter
-
-
-def load_drafter(path: str | Path, target, *, step: int | None = None, **overrides) -> DFlashDrafter:
-    """Load a drafter from one of our orbax checkpoints (a run dir, its ``checkpoints/`` dir or a
-    ``<step>`` dir; ``step`` picks one, default the latest) or an HF directory (z-lab or
-    speculators layout: config.json + safetensors), via ``convert.hf_to_drafter.read_drafter``.
-
-    ``overrides`` set our own config fields, e.g. ``attention_impl="reference"`` or
-    ``compute_dtype="bfloat16"``. The drafter is checked against ``target`` (model or config)
-    on its config, before any weight is read.
-    """
-    # convert depends on the drafter config, not the other way round: import lazily.
-    from convert.hf_to_drafter import read_drafter
-
-    check = None if target is None else (lambda c: c.check_target(_target_config(target)))
-    config, params = read_drafter(path, step=step, check=check, **overrides)
-    drafter = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
-    return set_params(drafter, params)

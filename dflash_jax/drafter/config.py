@@ -9,17 +9,33 @@ target's ``embed_tokens``. Its hidden size equals the target's (it shares embed/
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from dflash_jax.config_io import ConfigError, check_fields, from_dict
+from dflash_jax.dtypes import DtypeName
 from dflash_jax.layers import RopeConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-ATTENTION_IMPLS = ("reference", "xla", "pallas")
-DTYPES = ("float32", "bfloat16", "float16")
+LayerType = Literal["full_attention", "sliding_attention"]
+AttentionImpl = Literal["auto", "pallas", "xla", "reference"]
+# The module that must import for ``attention_impl: pallas`` (pallas_kernels needs only jax).
+PALLAS_KERNEL_MODULE = "pallas_kernels.anchored_attention"
+
+
+def require_pallas_kernel(field_name: str) -> None:
+    """Raise ConfigError naming ``field_name`` unless the Pallas attention kernel imports."""
+    try:
+        importlib.import_module(PALLAS_KERNEL_MODULE)
+    except ImportError as e:
+        raise ConfigError(
+            f"{field_name}='pallas' needs the Pallas kernel {PALLAS_KERNEL_MODULE}, which does not "
+            f"import here ({e}); use 'xla'"
+        ) from e
+
 
 # Keys of a z-lab config's ``dflash_config`` sub-dict that we understand. Anything else there is a
 # drafter variant we do not implement (DFlash2 convolutions, Domino projectors, ...): reject it.
@@ -77,8 +93,9 @@ class DrafterConfig:
     except where ``causal_in_block`` says otherwise: ``None`` follows z-lab's rule (sliding layers
     causal, full layers bidirectional), ``True``/``False`` force every layer (z-lab's ``is_causal``).
 
-    ``attention_impl``: ``reference`` (dense, for tests), ``xla`` (anchor-chunked, memory-bounded),
-    ``pallas`` (kernel from ``pallas_kernels``). ``anchor_chunk``: anchors per chunk in ``xla``.
+    ``attention_impl``: ``auto`` (``pallas`` on GPU, ``xla`` elsewhere), ``reference`` (dense, for
+    tests), ``xla`` (anchor-chunked, memory-bounded), ``pallas`` (the kernel in ``pallas_kernels``;
+    interpret mode off GPU). ``anchor_chunk``: anchors per chunk in ``xla``.
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
     """
@@ -97,18 +114,19 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 40960
-    layer_types: tuple[str, ...] | None = None
+    layer_types: tuple[LayerType, ...] | None = None
     sliding_window: int | None = None
     causal_in_block: bool | None = None
     embedding_scale: float = 1.0
     logit_scale: float = 1.0
     logit_softcap: float | None = None
-    attention_impl: str = "xla"
+    attention_impl: AttentionImpl = "auto"
     anchor_chunk: int = 16
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
+    param_dtype: DtypeName = "float32"
+    compute_dtype: DtypeName = "float32"
 
     def __post_init__(self):
+        check_fields(self)
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -166,9 +184,6 @@ class DrafterConfig:
             raise ValueError(
                 f"DrafterConfig.layer_types has {len(types)} entries for num_layers={self.num_layers}"
             )
-        for t in types:
-            if t not in LAYER_TYPES:
-                raise ValueError(f"DrafterConfig.layer_types: unknown {t!r}; supported: {LAYER_TYPES}")
         object.__setattr__(self, "layer_types", types)
         if self.sliding_window is not None:
             _require_int("sliding_window", self.sliding_window, minimum=1)
@@ -176,21 +191,12 @@ class DrafterConfig:
             raise ValueError(
                 "DrafterConfig.layer_types has sliding_attention layers but sliding_window is None"
             )
-        if self.causal_in_block not in (None, True, False):
-            raise ValueError(
-                f"DrafterConfig.causal_in_block must be None/True/False, got {self.causal_in_block!r}"
-            )
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(
                 f"DrafterConfig.logit_softcap must be positive or None, got {self.logit_softcap}"
             )
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"DrafterConfig.attention_impl={self.attention_impl!r}; supported: {ATTENTION_IMPLS}"
-            )
-        for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"DrafterConfig.{name}={getattr(self, name)!r}; supported: {DTYPES}")
+        if self.attention_impl == "pallas":
+            require_pallas_kernel("DrafterConfig.attention_impl")
 
     # ---------------------------------------------------------------------------------------
     # Derived values
@@ -251,17 +257,14 @@ class DrafterConfig:
             rope=target_config.rope,
             max_position_embeddings=target_config.max_position_embeddings,
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"DrafterConfig.for_target: unknown fields {sorted(unknown)}")
         base.update(overrides)
-        return cls(
+        base.update(
             num_layers=num_layers,
             mask_token_id=mask_token_id,
             block_size=block_size,
-            target_layer_ids=None if target_layer_ids is None else tuple(target_layer_ids),
-            **base,
+            target_layer_ids=target_layer_ids,
         )
+        return from_dict(cls, base)
 
     def check_target(self, target_config) -> None:
         """Raise ValueError if this drafter cannot run on ``target_config`` (duck-typed)."""
@@ -284,23 +287,8 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DrafterConfig:
-        """Inverse of to_dict; unknown keys are an error naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"DrafterConfig: unknown keys {sorted(unknown)}")
-        kw = dict(d)
-        rope = kw.get("rope")
-        if isinstance(rope, Mapping):
-            rope_names = {f.name for f in dataclasses.fields(RopeConfig)}
-            bad = set(rope) - rope_names
-            if bad:
-                raise ValueError(f"DrafterConfig.rope: unknown keys {sorted(bad)}")
-            kw["rope"] = RopeConfig(**rope)
-        for name in ("target_layer_ids", "layer_types"):
-            if kw.get(name) is not None:
-                kw[name] = tuple(kw[name])
-        return cls(**kw)
+        """Inverse of to_dict, through config_io: unknown keys are an error naming them."""
+        return from_dict(cls, d)
 
     # ---------------------------------------------------------------------------------------
     # z-lab HF config (a Qwen3Config with DFlash fields) in and out
@@ -402,7 +390,6 @@ class DrafterConfig:
             dflash["final_logit_softcapping"] = self.logit_softcap
         out = {
             "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

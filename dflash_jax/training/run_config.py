@@ -1,15 +1,23 @@
-"""RunConfig: everything a training run needs, loaded from YAML plus ``key=value`` overrides."""
+"""RunConfig: everything a training run needs, loaded from YAML plus ``key=value`` overrides.
+
+The shipped configs (``tiny``, ``demo``, ...) are package data in ``dflash_jax/configs``, found
+through importlib.resources, so ``--config tiny`` works from a wheel install too.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
+from typing import Literal
 
-from dflash_jax.config_io import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from dflash_jax.config_io import ConfigError, apply_overrides, check_fields, from_dict, load_yaml, to_dict
 from dflash_jax.data.pipeline import DataConfig
+from dflash_jax.drafter.config import AttentionImpl, require_pallas_kernel
+from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+SHIPPED_CONFIGS = "dflash_jax.configs"
 
 
 @dataclass(frozen=True)
@@ -19,7 +27,7 @@ class TargetSection:
     fly and saved under the run dir)."""
 
     path: str = "smollm2"
-    dtype: str = "float32"
+    dtype: DtypeName = "float32"
     tokenizer: str | None = None  # default: the target dir (``tiny``: the SmolLM2 tokenizer)
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 4
@@ -38,9 +46,13 @@ class DrafterSection:
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None  # default: a special token of the tokenizer (see train.py)
     intermediate_size: int | None = None  # default: the target's
-    attention_impl: str = "xla"
+    attention_impl: AttentionImpl = "auto"  # pallas on GPU, xla elsewhere
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
+
+    def __post_init__(self):
+        if self.attention_impl == "pallas":
+            require_pallas_kernel("drafter.attention_impl")
 
 
 @dataclass(frozen=True)
@@ -48,17 +60,19 @@ class TrainSection:
     steps: int = 200
     max_anchors: int = 32
     learning_rate: float = 6e-4
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # clamped to steps - 1 for runs shorter than their warmup (smoke tests)
     end_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    loss: str = "ce"  # ce (target argmax) | kl (full target distribution)
-    loss_weighting: str = "decay"  # decay | uniform
+    loss: Literal["ce", "kl"] = "ce"  # ce (target argmax) | kl (full target distribution)
+    loss_weighting: Literal["decay", "uniform"] = "decay"  # decay | uniform
     gamma: float | None = None  # default by block size: 16 -> 7, 10 -> 5, 8 -> 4
     loss_chunk: int = 1024
-    compute_dtype: str = "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
+    compute_dtype: ComputeDtype = (
+        "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
+    )
     feature_noise_std: float = 0.0  # noise on the drafter's input features only, never on labels
     seed: int = 0
     log_every: int = 10
@@ -67,22 +81,15 @@ class TrainSection:
     time_limit_minutes: float | None = None  # stop (and checkpoint) after this much training time
 
     def __post_init__(self):
+        check_fields(self)
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if self.max_anchors < 1:
             raise ValueError(f"train.max_anchors must be >= 1, got {self.max_anchors}")
-        if self.loss not in ("ce", "kl"):
-            raise ValueError(f"train.loss must be 'ce' or 'kl', got {self.loss!r}")
-        if self.loss_weighting not in ("decay", "uniform"):
-            raise ValueError(
-                f"train.loss_weighting must be 'decay' or 'uniform', got {self.loss_weighting!r}"
-            )
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"train.compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.learning_rate <= 0 or not 0 <= self.end_lr_ratio <= 1:
             raise ValueError("train.learning_rate must be > 0 and train.end_lr_ratio in [0, 1]")
-        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
-            raise ValueError(f"train.warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "loss_chunk"):
@@ -126,18 +133,27 @@ class RunConfig:
         return to_dict(self)
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    candidate = CONFIG_DIR / (name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml")
-    if candidate.is_file():
-        return candidate
-    known = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"config {name_or_path!r} not found (a YAML path, or one of: {known})")
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped inside the package (``tiny``, ``demo``, ...)."""
+    return sorted(
+        e.name.removesuffix(".yaml")
+        for e in resources.files(SHIPPED_CONFIGS).iterdir()
+        if e.name.endswith(".yaml")
+    )
 
 
 def load_run_config(name_or_path: str = "demo", overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    data = load_yaml(resolve_config_path(name_or_path))
+    """A YAML path, or the name of a shipped config, plus ``section.key=value`` overrides."""
+    p = Path(name_or_path)
+    if p.is_file():
+        data = load_yaml(p)
+    else:
+        name = name_or_path.removesuffix(".yaml")
+        if name not in shipped_configs():
+            raise ConfigError(
+                f"config {name_or_path!r} not found (a YAML path, or one of: {', '.join(shipped_configs())})"
+            )
+        with resources.as_file(resources.files(SHIPPED_CONFIGS) / f"{name}.yaml") as path:
+            data = load_yaml(path)
     data = apply_overrides(data, list(overrides))
     return from_dict(RunConfig, data)

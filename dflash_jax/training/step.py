@@ -3,39 +3,34 @@
 Everything here is traced under one ``jax.jit``; the batch walks data -> target -> drafter -> loss
 -> optimizer without coming back. Labels are the target's own final logits (invariant 2); the
 drafter's input features may be noised, the hidden state that makes the labels never is.
+
+The step reads its settings straight from the run config's ``train`` section
+(:class:`~dflash_jax.training.run_config.TrainSection`); block size and target taps come from the
+drafter's own config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dflash_jax.dtypes import to_dtype
 from dflash_jax.training.anchors import block_positions, sample_anchors
 from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_weights, target_argmax
 
-
-@dataclass(frozen=True)
-class StepConfig:
-    block_size: int
-    max_anchors: int
-    target_layer_ids: tuple[int, ...]
-    loss: str = "ce"
-    loss_weighting: str = "decay"
-    gamma: float | None = None
-    loss_chunk: int = 1024
-    compute_dtype: str = "float32"
-    feature_noise_std: float = 0.0
+if TYPE_CHECKING:
+    from dflash_jax.training.run_config import TrainSection
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
+        warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
         decay_steps=train_cfg.steps,
         end_value=train_cfg.learning_rate * train_cfg.end_lr_ratio,
     )
@@ -45,13 +40,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     )
 
 
-def target_pass(target, batch, cfg: StepConfig):
-    """Frozen target: features of the tapped layers and the final normed hidden state."""
+def target_pass(target, batch, layer_ids: tuple[int, ...]):
+    """Frozen target: features of the tapped layers ``layer_ids`` and the final normed hidden state."""
     out = target(
         batch["input_ids"],
         batch["positions"],
         segment_ids=batch["segment_ids"],
-        layer_ids=cfg.target_layer_ids,
+        layer_ids=tuple(layer_ids),
         return_logits=False,
     )
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
@@ -77,14 +72,14 @@ def gather_positions(x, pos):
     return jnp.take_along_axis(x, idx, axis=1).reshape(*pos.shape, *x.shape[2:])
 
 
-def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: StepConfig):
+def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: TrainSection):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state.
     """
     R, A, B, D = draft.shape
     label_pos, item_mask = labels_and_mask(anchors, anchor_valid, loss_mask, B)
-    dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    dtype = to_dtype(cfg.compute_dtype)
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
         per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
@@ -109,11 +104,11 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: St
     return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
 
 
-def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: bool = False):
+def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
     ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging)."""
     k_anchor, k_noise = jax.random.split(key)
-    features, hidden = target_pass(target, batch, cfg)
+    features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
     if cfg.feature_noise_std > 0:
         features = features + cfg.feature_noise_std * jax.random.normal(
             k_noise, features.shape, features.dtype
@@ -122,7 +117,7 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: b
         k_anchor,
         batch["loss_mask"],
         batch["segment_ids"],
-        block_size=cfg.block_size,
+        block_size=drafter.config.block_size,
         max_anchors=cfg.max_anchors,
     )
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
@@ -140,7 +135,7 @@ def drafter_loss(drafter, target, batch, key, cfg: StepConfig, *, with_labels: b
     return loss, metrics
 
 
-def make_train_step(cfg: StepConfig):
+def make_train_step(cfg: TrainSection):
     @nnx.jit(donate_argnums=(0, 1))
     def train_step(drafter, optimizer, target, batch, key):
         def loss_fn(model):
@@ -154,7 +149,7 @@ def make_train_step(cfg: StepConfig):
     return train_step
 
 
-def make_eval_step(cfg: StepConfig):
+def make_eval_step(cfg: TrainSection):
     @nnx.jit
     def eval_step(drafter, target, batch, key):
         return drafter_loss(drafter, target, batch, key, cfg)[1]

@@ -1,0 +1,267 @@
+"""Our orbax checkpoint format, in one place: the trainer's ``Checkpointer`` and the readers and
+writers of drafter params that loading and the converters use.
+
+Layout: ``<run>/checkpoints/<step>/`` with three items,
+
+  state    ``{"params": drafter params, "opt": optimizer state}`` (imports have no ``opt``)
+  meta     JSON ``{"step", "data_state"}`` (the data iterator's state, for exact resumes)
+  config   JSON: the resolved run config, with ``drafter_config`` (``DrafterConfig.to_dict()``) and,
+           for a checkpoint made by ``convert.hf_to_drafter``, ``imported_from``
+
+Saves are asynchronous; keep-last-N is orbax's ``max_to_keep``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.drafter.model import DFlashDrafter
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+STATE_ITEM, META_ITEM, CONFIG_ITEM = "state", "meta", "config"
+DRAFTER_CONFIG_KEY = "drafter_config"
+IMPORT_KEY = "imported_from"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _save_args(state: dict, step: int, data_state: dict | None, config: dict):
+    return ocp.args.Composite(
+        **{
+            STATE_ITEM: ocp.args.StandardSave(state),
+            META_ITEM: ocp.args.JsonSave({"step": int(step), "data_state": _jsonable(data_state)}),
+            CONFIG_ITEM: ocp.args.JsonSave(config),
+        }
+    )
+
+
+class Checkpointer:
+    """The trainer's checkpoints: drafter params, optimizer state, step, data-iterator state and the
+    resolved config, under ``directory/<step>/``."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).resolve()
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, drafter, optimizer, data_state: dict | None, config: dict, *, force=False):
+        state = {
+            "params": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
+            "opt": nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState)),
+        }
+        self.manager.save(step, args=_save_args(state, step, data_state, config), force=force)
+
+    def restore(self, drafter, optimizer, step: int | None = None, mesh=None) -> dict:
+        """Restore a run (params and optimizer state) in place; returns the meta dict. To read
+        only a drafter's params use ``read_drafter_checkpoint`` (or ``dflash_jax.load_drafter``).
+
+        Arrays come back with the shardings the live ones have; with ``mesh``, ones that are not
+        on it (optax's scalar counters) come back replicated on it."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        target = {
+            "params": _abstract(nnx.state(drafter, nnx.Param), mesh),
+            "opt": _abstract(nnx.state(optimizer, nnx.optimizer.OptState), mesh),
+        }
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{STATE_ITEM: ocp.args.StandardRestore(target), META_ITEM: ocp.args.JsonRestore()}
+            ),
+        )
+        _assign(drafter, nnx.Param, restored[STATE_ITEM]["params"])
+        _assign(optimizer, nnx.optimizer.OptState, restored[STATE_ITEM]["opt"])
+        return dict(restored[META_ITEM])
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _abstract(state, mesh=None):
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if mesh is not None and not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+            sharding = NamedSharding(mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, nnx.to_pure_dict(state))
+
+
+def _assign(module, var_type, pure):
+    state = nnx.state(module, var_type)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(module, state)
+
+
+def _jsonable(obj):
+    if obj is None:
+        return None
+    return json.loads(
+        json.dumps(obj, default=lambda o: o.decode("latin1") if isinstance(o, bytes) else str(o))
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Finding and reading a checkpoint's drafter
+# ------------------------------------------------------------------------------------------
+
+
+def _steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path, int]:
+    """-> (the directory holding ``<step>/`` subdirectories, the step). Latest step by default.
+
+    Accepts a run directory (with ``checkpoints/``), the ``checkpoints/`` directory itself, or a
+    ``<step>`` directory (then ``step`` must be None or equal to it).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint path {path} is not a directory")
+    if (path / STATE_ITEM).is_dir() and path.name.isdigit():
+        if step is not None and step != int(path.name):
+            raise CheckpointError(f"{path} is the checkpoint of step {path.name}, but step {step} was asked")
+        return path.parent, int(path.name)
+    root = path / CHECKPOINTS_SUBDIR if _steps(path / CHECKPOINTS_SUBDIR) else path
+    steps = _steps(root)
+    if not steps:
+        raise CheckpointError(
+            f"no checkpoint steps in {path} (expected {path}/checkpoints/<step>/ or {path}/<step>/)"
+        )
+    if step is None:
+        return root, steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"no step {step} in {root}; available steps: {steps}")
+    return root, step
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` looks like one of our orbax checkpoints (not an HF directory)."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / CHECKPOINTS_SUBDIR).is_dir():
+        return False
+    try:
+        resolve_checkpoint(path)
+    except (FileNotFoundError, CheckpointError):
+        return False
+    return True
+
+
+def _short(e: Exception, limit: int = 600) -> str:
+    """Orbax errors can print whole trees; keep the start."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _manager(root: Path):
+    return ocp.CheckpointManager(root.resolve(), options=ocp.CheckpointManagerOptions(create=False))
+
+
+def read_checkpoint_config(path: str | Path, step: int | None = None) -> tuple[dict, int]:
+    """-> (the JSON config stored with the checkpoint, its step). No arrays are read."""
+    root, step = resolve_checkpoint(path, step)
+    manager = _manager(root)
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(**{CONFIG_ITEM: ocp.args.JsonRestore()}))
+    except Exception as e:  # noqa: BLE001 - orbax raises many types; name the checkpoint
+        raise CheckpointError(f"cannot read the config of checkpoint {root / str(step)}: {_short(e)}") from e
+    finally:
+        manager.close()
+    config = dict(restored[CONFIG_ITEM])
+    if DRAFTER_CONFIG_KEY not in config:
+        raise CheckpointError(
+            f"checkpoint {root / str(step)}: its config has no {DRAFTER_CONFIG_KEY!r} (not a drafter checkpoint?)"
+        )
+    return config, step
+
+
+def read_checkpoint(
+    path: str | Path, step: int | None = None, *, check=None, **overrides
+) -> tuple[DrafterConfig, dict, dict]:
+    """-> (DrafterConfig, drafter params as a nested dict of numpy arrays, the stored run config).
+
+    Only the drafter parameters are read (the optimizer state is skipped). ``overrides`` replace
+    DrafterConfig fields (attention_impl, compute_dtype, ...); ``check(config)`` runs before any
+    array is read.
+    """
+    run_config, step = read_checkpoint_config(path, step)
+    config = DrafterConfig.from_dict(run_config[DRAFTER_CONFIG_KEY])
+    if overrides:
+        config = config.replace(**overrides)
+    if check is not None:
+        check(config)
+    abstract = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        "params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+        )
+    }
+    root, step = resolve_checkpoint(path, step)
+    manager = _manager(root)
+    try:
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    # Only the params: the optimizer state stays on disk.
+                    STATE_ITEM: ocp.args.PyTreeRestore(
+                        target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=True,
+                    )
+                }
+            ),
+        )
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"cannot restore drafter params from {root / str(step)} with the stored drafter_config "
+            f"({config.num_layers} layers, hidden {config.hidden_size}, {config.num_target_features} target layers): "
+            f"{_short(e)}"
+        ) from e
+    finally:
+        manager.close()
+    params = jax.tree.map(np.asarray, restored[STATE_ITEM]["params"])
+    return config, params, run_config
+
+
+def write_checkpoint(
+    out: str | Path, config: DrafterConfig, params: dict, *, step: int = 0, extra: dict | None = None
+) -> Path:
+    """Write ``params`` (no optimizer state) as step ``step`` of ``out/checkpoints``; ``extra`` joins
+    the stored config."""
+    root = (Path(out) / CHECKPOINTS_SUBDIR).resolve()
+    if (root / str(step)).exists():
+        raise FileExistsError(f"{root / str(step)} already exists; choose another --out")
+    run_config = {DRAFTER_CONFIG_KEY: config.to_dict(), **(extra or {})}
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=True))
+    try:
+        state = {"params": jax.tree.map(np.asarray, params)}
+        manager.save(step, args=_save_args(state, step, None, run_config))
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+    return root / str(step)

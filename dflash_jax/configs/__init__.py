@@ -1,0 +1,1 @@
+"""The shipped run configs (YAML), found by name through importlib.resources."""

@@ -1,0 +1,82 @@
+"""The regeneration cache: train and held-out chat JSONL whose replies are the target's own.
+
+DFlash drafters learn the target's distribution, so the demo answers its prompts with the target
+itself. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by the
+target dir and every setting that changes the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from dflash_jax import assets
+from dflash_jax.training.run_config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tuple[Path, Path]:
+    """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
+    from dflash_jax.data import sources
+    from dflash_jax.data.pipeline import load_heldout_prompts, split_records
+    from dflash_jax.generate import SamplingConfig
+    from dflash_jax.regenerate import regenerate_records
+
+    r = cfg.regen
+    key = json.dumps(
+        {
+            "target": str(Path(target_dir).resolve()),
+            "data": dataclasses.asdict(cfg.data),
+            "regen": dataclasses.asdict(r),
+            "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
+        },
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out_dir = assets.cache_root() / "regenerated" / digest
+    train_path, held_path = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
+    if train_path.is_file() and held_path.is_file():
+        log.info("using cached regenerated data in %s", out_dir)
+        return train_path, held_path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_idx, _, _ = split_records(cfg.data)
+    src = sources.RecordSource(train_idx)
+    try:
+        n = min(len(src), r.num_prompts)
+        train_records = [src[i] for i in range(n)]
+    finally:
+        src.close()
+    held_records = load_heldout_prompts(cfg.data, limit=cfg.eval.num_prompts)
+    common = dict(
+        max_new_tokens=r.max_new_tokens,
+        batch_size=r.batch_size,
+        sampling=SamplingConfig(temperature=r.temperature),
+        enable_thinking=cfg.data.enable_thinking,
+    )
+    held, rep_h = regenerate_records(
+        target, tokenizer, held_records, max_prompt_tokens=cfg.eval.max_prompt_tokens, **common
+    )
+    train, rep_t = regenerate_records(
+        target, tokenizer, train_records, max_prompt_tokens=r.max_prompt_tokens, **common
+    )
+    log.info("held-out: %s", rep_h.summary())
+    log.info("train: %s", rep_t.summary())
+    sources.write_chat_jsonl(held_path, held)
+    sources.write_chat_jsonl(train_path, train)
+    return train_path, held_path
+
+
+def data_configs(cfg: RunConfig, train_path: Path, held_path: Path):
+    """-> (training DataConfig, held-out DataConfig) reading the regenerated files."""
+    data_cfg = dataclasses.replace(
+        cfg.data, sources=(str(train_path),), heldout_fraction=0.0, heldout_count=None, max_records=None
+    )
+    heldout_cfg = dataclasses.replace(
+        data_cfg, sources=(str(held_path),), batch_size=min(4, cfg.data.batch_size)
+    )
+    return data_cfg, heldout_cfg

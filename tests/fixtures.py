@@ -1,0 +1,47 @@
+"""Test doubles shared by several test files: duck-typed stub targets and their configs."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.layers import RopeConfig
+
+
+def stub_target_config(**overrides) -> types.SimpleNamespace:
+    """A target config with the fields a drafter reads (``DrafterConfig.for_target``, ``check_target``)."""
+    base = dict(
+        model_type="qwen3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=36,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=1e6),
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    )
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+class StubTarget:
+    """The duck-typed target interface the drafter relies on: config, embed, logits."""
+
+    def __init__(self, config: types.SimpleNamespace, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        V, D = config.vocab_size, config.hidden_size
+        self.embed_table = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
+        self.lm_head = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32) * 0.1)
+        self.config = config
+
+    def embed(self, ids):
+        return self.embed_table[ids]
+
+    def logits(self, hidden):
+        return hidden @ self.lm_head
