@@ -46,6 +46,8 @@ class DrafterSection:
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None  # default: a special token of the tokenizer (see train.py)
     intermediate_size: int | None = None  # default: the target's
+    layer_types: tuple[str, ...] | None = None  # full_attention | sliding_attention per layer
+    sliding_window: int | None = None
     attention_impl: AttentionImpl = "auto"  # pallas on GPU, xla elsewhere
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs

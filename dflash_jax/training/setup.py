@@ -145,6 +145,8 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer):
     overrides = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
     if d.intermediate_size is not None:
         overrides["intermediate_size"] = d.intermediate_size
+    if d.layer_types is not None:
+        overrides.update(layer_types=tuple(d.layer_types), sliding_window=d.sliding_window)
     return DrafterConfig.for_target(
         target.config,
         num_layers=d.num_layers,
