@@ -70,6 +70,7 @@ def test_greedy_generation_matches_transformers(setup):
     assert any(Counter(o)[C] < len(o) for o in ours)  # not one repeated token everywhere
 
 
+@pytest.mark.slow
 def test_speculative_matches_zlab_and_plain_greedy(setup, tmp_path, monkeypatch):
     from convert.zlab_drafter import write_zlab_drafter
 

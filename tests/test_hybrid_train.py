@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from dflash_jax.train import run
 from dflash_jax.training.run_config import load_run_config
 
 
+@pytest.mark.slow
 def test_tiny_hybrid_trains_and_evaluates(tmp_path):
     cfg = load_run_config(
         "tiny-hybrid",
