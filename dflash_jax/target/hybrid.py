@@ -10,7 +10,7 @@ a cache), so the trainer, generation and speculative decoding use it unchanged. 
   SiLU(in_proj_z)) per value head; out_proj.
 * ``full_attention``: q_proj yields per head [query ; output gate]; (1 + w) RMSNorm on q and k;
   RoPE on the first ``rotary_dim`` dims only (partial rotary); attention (the dense target's
-  ``_attend``); output * sigmoid(gate); o_proj.
+  ``attention.attend``); output * sigmoid(gate); o_proj.
 
 Every RMSNorm outside the DeltaNet scales by ``(1 + w)`` (HF stores w, zero-initialised). Text
 positions are one stream, so Qwen3.5's multimodal RoPE sections (mrope) all rotate alike and
@@ -51,7 +51,8 @@ from dflash_jax.target.gated_deltanet import (
     conv_window_at,
     l2_normalize,
 )
-from dflash_jax.target.model import TargetModel, TargetOutput, _attend, _write_rows
+from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
+from dflash_jax.target.model import TargetModel, TargetOutput, _write_rows
 
 DEFAULT_CHUNK = 64
 
@@ -288,7 +289,7 @@ class HybridTargetModel(TargetModel):
 
     # ---- layers ---------------------------------------------------------------------------------
 
-    def _attention(self, p, y, cos, sin, mask, kv, lengths):
+    def _attention(self, p, y, cos, sin, masks, kv, lengths):
         c = self.config
         H = c.head_dim
         qg = jnp.einsum("BTD,DNH->BTNH", y, p["q"])
@@ -305,7 +306,7 @@ class HybridTargetModel(TargetModel):
             v_all = _write_rows(kv[1], v.astype(kv[1].dtype), lengths)
             new_kv = (k_all, v_all)
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        attn = _attend(q, k, v, mask, H**-0.5)
+        attn = attend(q, k, v, *masks, H**-0.5)
         attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return jnp.einsum("BTNH,NHD->BTD", attn, p["o"]), new_kv
 
@@ -377,13 +378,9 @@ class HybridTargetModel(TargetModel):
         x = constrain(x, ("batch", "length", "act_embed"))
         cos, sin = rope_cos_sin(positions, c.rope, c.rotary_dim)
         if cache is None:
-            seg = segment_ids if segment_ids is not None else jnp.ones((B, T), jnp.int32)
-            t_idx = jnp.arange(T)
-            mask = (t_idx[None, :, None] >= t_idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+            mask = self_attention_mask(B, T, segment_ids)
         else:
-            s_idx = jnp.arange(cache.capacity)
-            q_abs = cache.lengths[:, None] + jnp.arange(T)[None]
-            mask = s_idx[None, None, :] <= q_abs[:, :, None]
+            mask = cache_attention_mask(cache.lengths, T, cache.capacity)
 
         # One scan step per period of layer_types, its layers unrolled with static kinds.
         P = layer_period(c.layer_types)
