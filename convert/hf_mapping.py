@@ -9,6 +9,10 @@ is *stacked*: one array with a leading layer dimension (the target's scanned lay
           ours = hf.T.reshape(our_shape);  hf = ours.reshape(hf_shape[::-1]).T
   vector: flattened in HF (norm weights, biases: ours may split heads, e.g. [N, H]).
   copy:   the same shape on both sides (embeddings).
+  conv:   HF depthwise Conv1d weight ``[C, 1, W]``; ours ``[C, W]``.
+
+A stacked rule may list ``layers``: the HF layer index of each row of our array (Qwen3.5 hybrids
+stack their full- and linear-attention layers separately); default every layer in order.
 
 ``check_tensors`` is the strict accounting both loaders run before reading any tensor: every
 expected name present with its shape, nothing unexpected, each problem named.
@@ -22,15 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("linear", "vector", "copy")
+KINDS = ("linear", "vector", "copy", "conv")
 
 
 @dataclass(frozen=True)
 class KeyRule:
     ours: str  # dotted path of our parameter, e.g. "layers.q" or "layers.{i}.mlp.up_proj"
     hf: str  # HF tensor name; "{i}" is the layer index
-    kind: str = "copy"  # "linear" | "vector" | "copy"
+    kind: str = "copy"  # "linear" | "vector" | "copy" | "conv"
     in_dims: int = 1  # linear only: how many leading dims of ours are the input side
+    layers: tuple[int, ...] | None = None  # HF layer index of each row (None: 0..num_layers-1)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -41,6 +46,9 @@ class KeyRule:
         """One array of ours holds every layer's HF tensor (leading layer dimension)."""
         return "{i}" in self.hf and "{i}" not in self.ours
 
+    def layer_indices(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(range(num_layers)) if self.layers is None else tuple(self.layers)
+
 
 def entries(rules: Iterable[KeyRule], num_layers: int) -> Iterator[tuple[KeyRule, str, str, int | None]]:
     """-> (rule, our path, HF name, layer index into our stacked array or None), per HF tensor."""
@@ -48,14 +56,16 @@ def entries(rules: Iterable[KeyRule], num_layers: int) -> Iterator[tuple[KeyRule
         if "{i}" not in rule.hf:
             yield rule, rule.ours, rule.hf, None
             continue
-        for i in range(num_layers):
-            yield rule, rule.ours.format(i=i), rule.hf.format(i=i), i if rule.stacked else None
+        for row, i in enumerate(rule.layer_indices(num_layers)):
+            yield rule, rule.ours.format(i=i), rule.hf.format(i=i), row if rule.stacked else None
 
 
 def hf_shape(rule: KeyRule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF tensor shape for one (unstacked) parameter of ours."""
     if rule.kind == "copy":
         return tuple(our_shape)
+    if rule.kind == "conv":
+        return (our_shape[0], 1, our_shape[1])
     if rule.kind == "vector":
         return (math.prod(our_shape),)
     ins, outs = our_shape[: rule.in_dims], our_shape[rule.in_dims :]

@@ -1,5 +1,11 @@
-"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3), as ``KeyRule`` data
-(``convert.hf_mapping``); our layer parameters are stacked (leading layer dimension).
+"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3, Qwen3.5), as ``KeyRule``
+data (``convert.hf_mapping``); our layer parameters are stacked (leading layer dimension).
+
+Qwen3.5 hybrids: ``attn.*`` / ``gdn.*`` rows come from the full- / linear-attention layers (the
+rules' ``layers``); the text weights sit under ``model.`` (Qwen3_5ForCausalLM) or
+``model.language_model.`` (the vision-language checkpoint, picked by the keys present), and the
+vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``) are skipped by an
+explicit rule, logged, never silently.
 
 Loading is strict: every expected key must exist with the expected shape and nothing else may be
 in the checkpoint; each tensor goes straight from a memory-mapped file onto its mesh sharding.
@@ -28,7 +34,56 @@ log = logging.getLogger(__name__)
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def target_key_map(config: TargetConfig) -> list[KeyRule]:
+# Qwen3.5 checkpoint parts we do not use, skipped by name.
+HYBRID_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+VL_TEXT_PREFIX = "model.language_model."
+
+
+def checkpoint_prefix(config: TargetConfig, keys) -> str:
+    """Where the text model's weights sit: ``model.`` or (Qwen3.5 VL) ``model.language_model.``."""
+    if config.is_hybrid and any(k.startswith(VL_TEXT_PREFIX) for k in keys):
+        return VL_TEXT_PREFIX
+    return "model."
+
+
+def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule]:
+    L = prefix + "layers.{i}."
+    full, lin = config.full_attention_layers, config.linear_attention_layers
+    rules = [
+        KeyRule("embed_tokens", prefix + "embed_tokens.weight", "copy"),
+        KeyRule("norm", prefix + "norm.weight", "vector"),
+        KeyRule("layers.input_norm", L + "input_layernorm.weight", "vector"),
+        KeyRule("layers.post_norm", L + "post_attention_layernorm.weight", "vector"),
+        KeyRule("layers.gate", L + "mlp.gate_proj.weight", "linear"),
+        KeyRule("layers.up", L + "mlp.up_proj.weight", "linear"),
+        KeyRule("layers.down", L + "mlp.down_proj.weight", "linear"),
+    ]
+    if not config.tie_word_embeddings:
+        rules.append(KeyRule("lm_head", "lm_head.weight", "linear"))
+    A, G = L + "self_attn.", L + "linear_attn."
+    rules += [
+        KeyRule("attn.q", A + "q_proj.weight", "linear", layers=full),  # per head [query ; gate]
+        KeyRule("attn.k", A + "k_proj.weight", "linear", layers=full),
+        KeyRule("attn.v", A + "v_proj.weight", "linear", layers=full),
+        KeyRule("attn.o", A + "o_proj.weight", "linear", in_dims=2, layers=full),
+        KeyRule("attn.q_norm", A + "q_norm.weight", "vector", layers=full),
+        KeyRule("attn.k_norm", A + "k_norm.weight", "vector", layers=full),
+        KeyRule("gdn.in_qkv", G + "in_proj_qkv.weight", "linear", layers=lin),
+        KeyRule("gdn.in_z", G + "in_proj_z.weight", "linear", layers=lin),
+        KeyRule("gdn.in_b", G + "in_proj_b.weight", "linear", layers=lin),
+        KeyRule("gdn.in_a", G + "in_proj_a.weight", "linear", layers=lin),
+        KeyRule("gdn.conv", G + "conv1d.weight", "conv", layers=lin),
+        KeyRule("gdn.dt_bias", G + "dt_bias", "vector", layers=lin),
+        KeyRule("gdn.A_log", G + "A_log", "vector", layers=lin),
+        KeyRule("gdn.norm", G + "norm.weight", "vector", layers=lin),
+        KeyRule("gdn.out", G + "out_proj.weight", "linear", in_dims=2, layers=lin),
+    ]
+    return [r for r in rules if r.layers is None or r.layers]
+
+
+def target_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule]:
+    if config.is_hybrid:
+        return hybrid_key_map(config, prefix)
     L = "model.layers.{i}."
     rules = [
         KeyRule("embed_tokens", "model.embed_tokens.weight", "copy"),
@@ -69,7 +124,7 @@ def _state_index(state: nnx.State) -> dict[str, nnx.Variable]:
 
 def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: dict[str, nnx.Variable]):
     """Strict key accounting before any tensor is read: raises naming every problem found."""
-    rules = target_key_map(config)
+    rules = target_key_map(config, checkpoint_prefix(config, reader.keys()))
     expected: dict[str, tuple[int, ...]] = {}
     for rule, ours, hf, layer in entries(rules, config.num_layers):
         if ours not in variables:
@@ -78,6 +133,11 @@ def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: 
         expected[hf] = hf_shape(rule, shape[1:] if layer is not None else shape)
     present = {k: tuple(reader.shape(k)) for k in reader.keys()}
     ignorable = {k for k in present if k.endswith(_IGNORABLE_SUFFIXES)}
+    if config.is_hybrid:
+        skipped = {k for k in present if k.startswith(HYBRID_SKIPPED_PREFIXES)}
+        if skipped:
+            log.info("skipping %d vision / MTP tensors (%s)", len(skipped), ", ".join(HYBRID_SKIPPED_PREFIXES))
+        ignorable |= skipped
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exports keep the tied copy; it must equal embed_tokens
     check_tensors(
@@ -111,7 +171,7 @@ def load_weights_into(
             per_shape = shape[1:]
             per_sharding = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
             parts = []
-            for i in range(config.num_layers):
+            for i in rule.layer_indices(config.num_layers):
                 host = to_ours(rule, reader.get(rule.hf.format(i=i)), per_shape).astype(dtype)
                 parts.append(put_global(host, per_sharding))
             value = _stack(parts, sharding)
@@ -136,8 +196,8 @@ def export_target_state(model: nnx.Module) -> dict[str, np.ndarray]:
     for rule in target_key_map(config):
         value = np.asarray(jax.device_get(variables[rule.ours][...]))
         if rule.stacked:
-            for i in range(config.num_layers):
-                out[rule.hf.format(i=i)] = to_hf(rule, value[i])
+            for row, i in enumerate(rule.layer_indices(config.num_layers)):
+                out[rule.hf.format(i=i)] = to_hf(rule, value[row])
         else:
             out[rule.hf] = to_hf(rule, value)
     return out

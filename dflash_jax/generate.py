@@ -97,7 +97,7 @@ def _generate_batch(target, ids, lengths, eos_ids, key, *, max_new_tokens: int, 
         tokens = tokens.at[:, step].set(nxt)
         n_out = n_out + (~done).astype(jnp.int32)
         done = done | jnp.isin(nxt, eos_ids)
-        return step + 1, tokens, o.cache, done, n_out, key
+        return step + 1, tokens, o.cache.commit(), done, n_out, key
 
     _, tokens, _, _, n_out, _ = jax.lax.while_loop(cond, body, (1, tokens, cache, done, n_out, key))
     return tokens, n_out

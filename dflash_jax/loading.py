@@ -23,13 +23,14 @@ from dflash_jax.drafter.model import DFlashDrafter
 from dflash_jax.dtypes import to_dtype
 from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.target.config import TargetConfig
+from dflash_jax.target.hybrid import build_target_model
 from dflash_jax.target.model import TargetModel
 
 log = logging.getLogger(__name__)
 
 
 def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) -> TargetModel:
-    """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors).
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 HF checkpoint directory (config.json + safetensors).
 
     Weights are read tensor by tensor and placed straight onto ``mesh`` (default: one device)
     with their logical-axis shardings; the checkpoint must match config.json exactly.
@@ -43,7 +44,7 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
     if mesh is None:
         mesh = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: TargetModel(config, dtype=dt, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build_target_model(config, dtype=dt, rngs=nnx.Rngs(0)))
     model = load_weights_into(abstract, reader, config, mesh, dt)
     model.mesh = mesh
     log.info(

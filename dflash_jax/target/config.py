@@ -1,6 +1,9 @@
 """TargetConfig: the frozen target LLM's architecture, read from an HF ``config.json``.
 
-One decoder-only implementation covers Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm). Anything
+One decoder-only implementation covers Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm); the
+Qwen3.5 / Qwen3.6 text family (``model_type`` ``qwen3_5``: the vision-language wrapper, whose text
+part is read from ``text_config``, or ``qwen3_5_text``) is the hybrid model of ``target/hybrid.py``:
+Gated DeltaNet layers plus gated full attention with partial rotary, per ``layer_types``. Anything
 we do not implement is rejected here with the offending field named, never approximated.
 """
 
@@ -12,7 +15,11 @@ from pathlib import Path
 
 from dflash_jax.layers import RopeConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5")
+# config.json model_type -> ours (the Qwen3.5 VL wrapper and its text-only form are one family)
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,14 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Qwen3.5 hybrid (model_type qwen3_5); ignored (and left at defaults) for dense targets.
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | linear_attention; () = all full
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of q and k
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -57,8 +72,53 @@ class TargetConfig:
             raise ValueError(
                 f"TargetConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"TargetConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(
+                f"TargetConfig: rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even and > 0"
+            )
+        types = tuple(self.layer_types) or (FULL_ATTENTION,) * self.num_layers
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers:
+            raise ValueError(
+                f"TargetConfig.layer_types has {len(types)} entries for num_layers={self.num_layers}"
+            )
+        bad = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if bad:
+            raise ValueError(f"TargetConfig.layer_types: unsupported {bad}")
+        if self.is_hybrid:
+            for name in (
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+            ):
+                if int(getattr(self, name)) <= 0:
+                    raise ValueError(f"TargetConfig.{name} must be positive for {self.model_type}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"TargetConfig: linear_num_value_heads={self.linear_num_value_heads} is not a multiple "
+                    f"of linear_num_key_heads={self.linear_num_key_heads}"
+                )
+        elif LINEAR_ATTENTION in types:
+            raise ValueError(f"TargetConfig: linear_attention layers need model_type qwen3_5, not {self.model_type}")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Qwen3.5 family: (1 + w) RMSNorms, gated attention, Gated DeltaNet layers."""
+        return self.model_type == "qwen3_5"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
 
     @property
     def num_hidden_layers(self) -> int:  # HF spelling
@@ -66,17 +126,28 @@ class TargetConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> TargetConfig:
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        hf_type = hf.get("model_type")
+        if hf_type not in _HF_MODEL_TYPES:
             hint = (
-                " (Qwen3.5/3.6 hybrid linear attention is not implemented yet)"
-                if str(model_type).startswith("qwen3_")
+                " (of the Qwen3 hybrids only the dense-MLP Qwen3.5/3.6 family, qwen3_5, is implemented)"
+                if str(hf_type).startswith("qwen3_")
                 else ""
             )
             raise ValueError(
-                f"unsupported model_type {model_type!r} in config.json{hint}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {hf_type!r} in config.json{hint}; "
+                f"supported: {', '.join(_HF_MODEL_TYPES)}"
             )
+        if hf_type == "qwen3_5":
+            if not isinstance(hf.get("text_config"), dict):
+                raise ValueError("config.json (qwen3_5) is missing its 'text_config'")
+            outer = hf
+            hf = dict(hf["text_config"])
+            for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id", "quantization_config"):
+                if hf.get(key) is None and outer.get(key) is not None:
+                    hf[key] = outer[key]
+            if "tie_word_embeddings" in outer:  # the wrapper's flag decides lm_head tying
+                hf["tie_word_embeddings"] = outer["tie_word_embeddings"]
+        model_type = _HF_MODEL_TYPES[hf_type]
         _reject_unsupported_features(hf, model_type)
 
         def need(key):
@@ -90,6 +161,26 @@ class TargetConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(hf.get("attention_bias", False))
+        hybrid = {}
+        if model_type == "qwen3_5":
+            layers = int(need("num_hidden_layers"))
+            interval = int(hf.get("full_attention_interval", 4))
+            types = hf.get("layer_types") or [
+                FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
+            ]
+            rope_params = hf.get("rope_parameters") or {}
+            hybrid = dict(
+                layer_types=tuple(types),
+                linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+                linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
+                partial_rotary_factor=float(
+                    rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+                ),
+            )
+            head_dim = hf.get("head_dim") or 256
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -105,11 +196,12 @@ class TargetConfig:
             attention_bias=True if model_type == "qwen2" else attention_bias,
             o_proj_bias=attention_bias if model_type == "llama" else False,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=hf.get("pad_token_id"),
+            **hybrid,
         )
 
     @classmethod
@@ -127,18 +219,75 @@ class TargetConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rope"] = asdict(self.rope)
+        d["layer_types"] = list(self.layer_types)
         return d
+
+    def to_hf_dict(self) -> dict:
+        """A transformers ``config.json`` for this architecture (the text-only form for qwen3_5)."""
+        c = self
+        if c.model_type == "qwen3_5":
+            hf = {
+                "architectures": ["Qwen3_5ForCausalLM"],
+                "model_type": "qwen3_5_text",
+                "layer_types": list(c.layer_types),
+                "linear_num_key_heads": c.linear_num_key_heads,
+                "linear_num_value_heads": c.linear_num_value_heads,
+                "linear_key_head_dim": c.linear_key_head_dim,
+                "linear_value_head_dim": c.linear_value_head_dim,
+                "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
+                "rope_parameters": {**c.rope.to_hf(), "partial_rotary_factor": c.partial_rotary_factor},
+            }
+        else:
+            arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+            hf = {
+                "architectures": [arch[c.model_type]],
+                "model_type": c.model_type,
+                "rope_parameters": c.rope.to_hf(),
+                "attention_bias": c.attention_bias if c.model_type != "qwen2" else True,
+                "mlp_bias": c.mlp_bias,
+            }
+        eos = list(c.eos_token_ids)
+        hf.update(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=c.tie_word_embeddings,
+            max_position_embeddings=c.max_position_embeddings,
+            hidden_act="silu",
+            bos_token_id=c.bos_token_id,
+            eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+            pad_token_id=c.pad_token_id,
+        )
+        return hf
 
 
 def _reject_unsupported_features(hf: dict, model_type: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: unsupported hidden_act {act!r} (only 'silu' SwiGLU MLPs)")
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+    if model_type == "qwen3_5":
+        if hf.get("attention_bias", False):
+            raise ValueError("config.json (qwen3_5): attention_bias=true is not supported")
+        rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"config.json (qwen3_5): unsupported rope_type {rope_type!r} (only 'default')")
+        if hf.get("num_experts"):
+            raise ValueError("config.json (qwen3_5): mixture-of-experts MLPs are not supported")
+        types = hf.get("layer_types") or []
+        bad = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if bad:
+            raise ValueError(f"config.json (qwen3_5): unsupported layer_types {bad}")
+    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
         raise ValueError("config.json: use_sliding_window=true is not supported for target models")
     layer_types = hf.get("layer_types")
     if (
-        layer_types
+        model_type != "qwen3_5"
+        and layer_types
         and any(t != "full_attention" for t in layer_types)
         and hf.get("use_sliding_window", False)
     ):

@@ -45,6 +45,10 @@ class KVCache:
     def with_lengths(self, lengths) -> KVCache:
         return KVCache(self.k, self.v, jnp.asarray(lengths, jnp.int32))
 
+    def commit(self) -> KVCache:
+        """Keep every token written so far (a no-op here; a hybrid cache drops its rollback data)."""
+        return self
+
 
 @jax.tree_util.register_dataclass
 @dataclass

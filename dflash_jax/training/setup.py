@@ -66,6 +66,8 @@ def make_tiny_target_dir(section: TargetSection, vocab_size: int, root: Path) ->
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     )
+    if section.tiny_model_type == "qwen3_5":
+        return _make_tiny_hybrid_dir(tc, section.tiny_seed, directory)
     model = TargetModel(tc, rngs=nnx.Rngs(section.tiny_seed))
     # Unit-scale embeddings: a trained LM's next-token distribution is peaked, and the tied
     # lm_head then gives the drafter logits it can actually separate (0.02 init is ~uniform).
@@ -90,6 +92,34 @@ def make_tiny_target_dir(section: TargetSection, vocab_size: int, root: Path) ->
         "torch_dtype": "float32",
     }
     marker.write_text(json.dumps(hf, indent=2))
+    return directory
+
+
+def _make_tiny_hybrid_dir(dense, seed: int, directory: Path) -> Path:
+    """The Qwen3.5-hybrid variant of the tiny target: layers of 3 Gated DeltaNet + 1 gated attention."""
+    from dataclasses import replace
+
+    from safetensors.numpy import save_file
+
+    from convert.hf_target import export_target_state
+    from dflash_jax.target.hybrid import HybridTargetModel
+
+    L, H = dense.num_layers, dense.hidden_size
+    tc = replace(
+        dense,
+        model_type="qwen3_5",
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=H // 4,
+        linear_value_head_dim=H // 4,
+        partial_rotary_factor=0.25,
+    )
+    model = HybridTargetModel(tc, rngs=nnx.Rngs(seed))
+    model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({**tc.to_hf_dict(), "torch_dtype": "float32"}, indent=2))
     return directory
 
 

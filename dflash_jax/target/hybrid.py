@@ -1,0 +1,507 @@
+"""The Qwen3.5 / Qwen3.6 hybrid target in Flax NNX: Gated DeltaNet layers and gated full attention.
+
+Same API as ``TargetModel`` (embed / logits / init_cache / __call__ with layer_ids, segment_ids and
+a cache), so the trainer, generation and speculative decoding use it unchanged. Per layer
+(``config.layer_types``):
+
+* ``linear_attention``: Gated DeltaNet (``gated_deltanet.py``): in_proj_qkv -> causal depthwise conv
+  + SiLU -> L2-normalised q, k; beta = sigmoid(in_proj_b); log decay g = -exp(A_log) *
+  softplus(in_proj_a + dt_bias); the gated delta rule (chunked); a gated RMSNorm (weight * norm(o) *
+  SiLU(in_proj_z)) per value head; out_proj.
+* ``full_attention``: q_proj yields per head [query ; output gate]; (1 + w) RMSNorm on q and k;
+  RoPE on the first ``rotary_dim`` dims only (partial rotary); attention (the dense target's
+  ``attention.attend``); output * sigmoid(gate); o_proj.
+
+Every RMSNorm outside the DeltaNet scales by ``(1 + w)`` (HF stores w, zero-initialised). Text
+positions are one stream, so Qwen3.5's multimodal RoPE sections (mrope) all rotate alike and
+reduce to plain RoPE.
+
+Layers are scanned in periods: the shortest repeating pattern of ``layer_types`` (Qwen3.6-27B:
+3 linear + 1 full, 16 times) is one ``lax.scan`` step with its layers unrolled, so compile time does
+not grow with depth and no layer pays for a ``cond``. Parameters are stacked per kind:
+``layers.*`` [L, ...] (norms, MLP), ``attn.*`` [La, ...], ``gdn.*`` [Lg, ...] in layer order.
+
+Cache (``HybridCache``): K/V of the full-attention layers as in ``KVCache``, plus per row the conv
+window (the last W-1 conv inputs) and the recurrent state of every DeltaNet layer. A forward with a
+cache also keeps what it needs to roll back (the state and window before it, and its own conv inputs,
+decays and betas), so ``with_lengths`` can crop each row to any length reached inside that forward
+(recomputing the state over the kept tokens only) exactly as cropping a KV cache: speculative
+verification stays lossless.
+
+Dimension names: as in model.py, plus C conv channels (q|k|v), W conv taps, Hk / Hv linear key /
+value heads, Dk / Dv their head dims, G scan periods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.layers import apply_rope, param, rope_cos_sin, swiglu_mlp
+from dflash_jax.sharding import constrain
+from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
+from dflash_jax.target.config import FULL_ATTENTION, TargetConfig
+from dflash_jax.target.gated_deltanet import (
+    causal_conv,
+    chunk_gated_delta_rule,
+    conv_window_at,
+    l2_normalize,
+)
+from dflash_jax.target.model import TargetModel, TargetOutput, _write_rows
+
+DEFAULT_CHUNK = 64
+
+
+# ---- norms --------------------------------------------------------------------------------
+
+
+def rms_norm_1p(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3.5's zero-centred RMSNorm: norm(x) * (1 + w), all in fp32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """w * norm(x) (in x's dtype) * SiLU(gate) (in fp32), cast back: the DeltaNet output norm."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dtype)
+    y = weight.astype(dtype) * normed
+    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE on the first cos.shape[-1] dims of each head, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], axis=-1)
+
+
+# ---- parameters -----------------------------------------------------------------------------
+
+
+def conv_channels(c: TargetConfig) -> int:
+    return (
+        2 * c.linear_num_key_heads * c.linear_key_head_dim
+        + c.linear_num_value_heads * c.linear_value_head_dim
+    )
+
+
+def hybrid_param_specs(c: TargetConfig) -> dict[str, dict[str, tuple[tuple[int, ...], tuple, str]]]:
+    """group -> name -> (per-layer shape, logical axes, init). Groups: layers (every layer),
+    attn (full-attention layers), gdn (linear-attention layers)."""
+    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    Hv, Dv = c.linear_num_value_heads, c.linear_value_head_dim
+    # The fused q|k|v conv channels stay unsharded (their split points need not fall on shard
+    # boundaries); the model dim is FSDP-sharded as everywhere.
+    return {
+        "layers": {
+            "input_norm": ((D,), ("norm",), "zeros"),
+            "post_norm": ((D,), ("norm",), "zeros"),
+            "gate": ((D, F), ("embed", "mlp"), "normal"),
+            "up": ((D, F), ("embed", "mlp"), "normal"),
+            "down": ((F, D), ("mlp", "embed"), "normal"),
+        },
+        "attn": {
+            "q": ((D, N, 2 * H), ("embed", "heads", "head_dim"), "normal"),  # per head [query ; gate]
+            "k": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
+            "v": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
+            "o": ((N, H, D), ("heads", "head_dim", "embed"), "normal"),
+            "q_norm": ((H,), ("head_dim",), "zeros"),
+            "k_norm": ((H,), ("head_dim",), "zeros"),
+        },
+        "gdn": {
+            "in_qkv": ((D, conv_channels(c)), ("embed", None), "normal"),
+            "in_z": ((D, Hv, Dv), ("embed", "heads", "head_dim"), "normal"),
+            "in_b": ((D, Hv), ("embed", "heads"), "normal"),
+            "in_a": ((D, Hv), ("embed", "heads"), "normal"),
+            "conv": ((conv_channels(c), c.linear_conv_kernel_dim), (None, None), "normal"),
+            "dt_bias": ((Hv,), ("norm",), "ones"),
+            "A_log": ((Hv,), ("norm",), "zeros"),
+            "norm": ((Dv,), ("head_dim",), "ones"),
+            "out": ((Hv, Dv, D), ("heads", "head_dim", "embed"), "normal"),
+        },
+    }
+
+
+class StackedParams(nnx.Module):
+    """One parameter group, each stacked as [count, ...]."""
+
+    def __init__(self, specs, count: int, *, param_dtype, rngs: nnx.Rngs):
+        self.names = tuple(specs)
+        for name, (shape, axes, init) in specs.items():
+            setattr(self, name, param(rngs, (count, *shape), ("layers", *axes), param_dtype, init=init))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+def layer_period(layer_types: tuple[str, ...]) -> int:
+    """The shortest p dividing L with layer_types[i] == layer_types[i % p] (p = L if none shorter)."""
+    L = len(layer_types)
+    for p in range(1, L + 1):
+        if L % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(L)):
+            return p
+    return L
+
+
+# ---- cache ------------------------------------------------------------------------------------
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "k",
+        "v",
+        "lengths",
+        "conv",
+        "state",
+        "base",
+        "conv0",
+        "state0",
+        "x",
+        "g",
+        "beta",
+        "conv_w",
+    ],
+    meta_fields=["num_key_heads", "chunk_size"],
+)
+@dataclass
+class HybridCache:
+    """Per-row cache of a hybrid target (see the module docstring).
+
+    ``lengths`` are the committed tokens per row. The rollback fields (``base`` .. ``conv_w``) are
+    set by a forward and cleared by ``with_lengths`` / ``commit``; None when committed."""
+
+    k: jax.Array  # [La, B, S, K, H]
+    v: jax.Array  # [La, B, S, K, H]
+    lengths: jax.Array  # [B] int32
+    conv: jax.Array  # [Lg, B, W-1, C] conv inputs just before position lengths
+    state: jax.Array  # [Lg, B, Hv, Dk, Dv] fp32 recurrent state after lengths tokens
+    base: jax.Array | None = None  # [B] lengths before the last forward
+    conv0: jax.Array | None = None  # [Lg, B, W-1, C] window before the last forward
+    state0: jax.Array | None = None  # [Lg, B, Hv, Dk, Dv] state before the last forward
+    x: jax.Array | None = None  # [Lg, B, T, C] the last forward's conv inputs
+    g: jax.Array | None = None  # [Lg, B, T, Hv] its log decays
+    beta: jax.Array | None = None  # [Lg, B, T, Hv] its betas
+    conv_w: jax.Array | None = None  # [Lg, C, W] conv weights (to recompute k, v)
+    num_key_heads: int = 0
+    chunk_size: int = DEFAULT_CHUNK
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def commit(self) -> HybridCache:
+        """Keep every token of the last forward (drop the rollback data)."""
+        return HybridCache(
+            self.k,
+            self.v,
+            self.lengths,
+            self.conv,
+            self.state,
+            num_key_heads=self.num_key_heads,
+            chunk_size=self.chunk_size,
+        )
+
+    def with_lengths(self, lengths) -> HybridCache:
+        """Crop each row to ``lengths`` (between its length before the last forward and after it):
+        K/V by length as in KVCache; conv window and recurrent state recomputed over the kept
+        tokens of the last forward from the state before it."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if self.base is None:
+            raise ValueError(
+                "HybridCache.with_lengths needs the rollback data of the last forward; "
+                "crop right after the forward that wrote the tokens (this cache is already committed)"
+            )
+        T = self.x.shape[2]
+        n = jnp.clip(lengths - self.base, 0, T)  # kept tokens of the last forward, per row
+        keep = (jnp.arange(T)[None, :] < n[:, None])[..., None]  # [B,T,1]
+
+        def one_layer(args):
+            conv0, state0, x, g, beta, w = args
+            window = conv_window_at(conv0, x, n)
+            qkv = causal_conv(x, conv0, w)
+            Hk, Hv = self.num_key_heads, state0.shape[1]
+            Dk, Dv = state0.shape[2], state0.shape[3]
+            B = x.shape[0]
+            k = qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
+            v = qkv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
+            k = l2_normalize(k)
+            _, state = chunk_gated_delta_rule(
+                k,  # the query only shapes outputs we do not use
+                k,
+                v,
+                jnp.where(keep, g, 0.0),
+                jnp.where(keep, beta, 0.0),
+                chunk_size=self.chunk_size,
+                initial_state=state0,
+            )
+            return window, state
+
+        conv, state = jax.lax.map(
+            one_layer, (self.conv0, self.state0, self.x, self.g, self.beta, self.conv_w)
+        )
+        return HybridCache(
+            self.k,
+            self.v,
+            lengths,
+            conv,
+            state,
+            num_key_heads=self.num_key_heads,
+            chunk_size=self.chunk_size,
+        )
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+
+class HybridTargetModel(TargetModel):
+    """Frozen Qwen3.5-family LLM. Call: ``target(input_ids, positions=None, *, layer_ids=())``."""
+
+    def __init__(
+        self,
+        config: TargetConfig,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ):
+        if not config.is_hybrid:
+            raise ValueError(f"HybridTargetModel needs a qwen3_5 config, got {config.model_type!r}")
+        rngs = rngs or nnx.Rngs(0)
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.chunk_size = int(chunk_size)
+        c = config
+        specs = hybrid_param_specs(c)
+        self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
+        self.layers = StackedParams(specs["layers"], c.num_layers, param_dtype=self.dtype, rngs=rngs)
+        self.attn = StackedParams(
+            specs["attn"], len(c.full_attention_layers), param_dtype=self.dtype, rngs=rngs
+        )
+        self.gdn = StackedParams(
+            specs["gdn"], len(c.linear_attention_layers), param_dtype=self.dtype, rngs=rngs
+        )
+        self.norm = param(None, (c.hidden_size,), ("norm",), self.dtype, init="zeros")
+        if not c.tie_word_embeddings:
+            self.lm_head = param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), self.dtype)
+
+    def init_cache(self, batch: int, capacity: int, dtype: Any = None) -> HybridCache:
+        c = self.config
+        dtype = dtype or self.dtype
+        La, Lg = len(c.full_attention_layers), len(c.linear_attention_layers)
+        kv = (La, batch, capacity, c.num_kv_heads, c.head_dim)
+        return HybridCache(
+            k=jnp.zeros(kv, dtype),
+            v=jnp.zeros(kv, dtype),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            conv=jnp.zeros((Lg, batch, c.linear_conv_kernel_dim - 1, conv_channels(c)), dtype),
+            state=jnp.zeros(
+                (Lg, batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                jnp.float32,
+            ),
+            num_key_heads=c.linear_num_key_heads,
+            chunk_size=self.chunk_size,
+        )
+
+    # ---- layers ---------------------------------------------------------------------------------
+
+    def _attention(self, p, y, cos, sin, masks, kv, lengths):
+        c = self.config
+        H = c.head_dim
+        qg = jnp.einsum("BTD,DNH->BTNH", y, p["q"])
+        q, gate = qg[..., :H], qg[..., H:]
+        k = jnp.einsum("BTD,DKH->BTKH", y, p["k"])
+        v = jnp.einsum("BTD,DKH->BTKH", y, p["v"])
+        q = rms_norm_1p(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm_1p(k, p["k_norm"], c.rms_norm_eps)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        q = constrain(q, ("batch", "length", "act_heads", None))
+        new_kv = None
+        if kv is not None:
+            k_all = _write_rows(kv[0], k.astype(kv[0].dtype), lengths)
+            v_all = _write_rows(kv[1], v.astype(kv[1].dtype), lengths)
+            new_kv = (k_all, v_all)
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        attn = attend(q, k, v, *masks, H**-0.5)
+        attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+        return jnp.einsum("BTNH,NHD->BTD", attn, p["o"]), new_kv
+
+    def _deltanet(self, p, y, segment_ids, conv_state):
+        """-> (output [B,T,D], (window after, state after, rollback data) | None)."""
+        c = self.config
+        B, T, _ = y.shape
+        Hk, Hv, Dk, Dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        x = jnp.einsum("BTD,DC->BTC", y, p["in_qkv"])
+        z = jnp.einsum("BTD,DHV->BTHV", y, p["in_z"])
+        b = jnp.einsum("BTD,DH->BTH", y, p["in_b"])
+        a = jnp.einsum("BTD,DH->BTH", y, p["in_a"])
+        if conv_state is None:
+            window = jnp.zeros((B, c.linear_conv_kernel_dim - 1, x.shape[-1]), x.dtype)
+            state0 = None
+        else:
+            window, state0 = conv_state
+        qkv = causal_conv(x, window, p["conv"], segment_ids)
+        q = l2_normalize(qkv[..., : Hk * Dk].reshape(B, T, Hk, Dk))
+        k = l2_normalize(qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk))
+        v = qkv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
+        beta = jax.nn.sigmoid(b)
+        g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+        )
+        o, state = chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=state0, segment_ids=segment_ids
+        )
+        o = gated_rms_norm(o, z, p["norm"], c.rms_norm_eps)
+        out = jnp.einsum("BTHV,HVD->BTD", o, p["out"])
+        if conv_state is None:
+            return out, None
+        new_window = jnp.concatenate([window, x.astype(window.dtype)], axis=1)[:, T:]
+        rollback = (window, state0, x.astype(window.dtype), g, beta.astype(jnp.float32), p["conv"])
+        return out, (new_window, state, rollback)
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        layer_ids: tuple[int, ...] | list[int] = (),
+        segment_ids: jax.Array | None = None,
+        cache: HybridCache | None = None,
+        return_logits: bool = True,
+    ) -> TargetOutput:
+        """As ``TargetModel.__call__``. With a cache the returned cache holds lengths + T tokens
+        per row and can be cropped back (``with_lengths``) or committed (``commit``)."""
+        c = self.config
+        layer_ids = tuple(int(i) for i in layer_ids)
+        for i in layer_ids:
+            if not 0 <= i < c.num_layers:
+                raise ValueError(f"layer_ids: {i} is outside [0, {c.num_layers}) for this target")
+        B, T = input_ids.shape
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids cannot be combined with a cache")
+        if positions is None:
+            base = cache.lengths[:, None] if cache is not None else jnp.zeros((B, 1), jnp.int32)
+            positions = base + jnp.arange(T, dtype=jnp.int32)[None]
+
+        x = self.embed(input_ids).astype(self.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        cos, sin = rope_cos_sin(positions, c.rope, c.rotary_dim)
+        if cache is None:
+            mask = self_attention_mask(B, T, segment_ids)
+        else:
+            mask = cache_attention_mask(cache.lengths, T, cache.capacity)
+
+        # One scan step per period of layer_types, its layers unrolled with static kinds.
+        P = layer_period(c.layer_types)
+        G = c.num_layers // P
+        kinds = c.layer_types[:P]
+        n_attn = sum(k == FULL_ATTENTION for k in kinds)
+        n_gdn = P - n_attn
+        per_period = lambda tree, n: jax.tree.map(lambda a: a.reshape(G, n, *a.shape[1:]), tree)
+
+        unique = tuple(sorted(set(layer_ids)))
+        slot_of_layer = jnp.array(
+            [unique.index(i) if i in unique else len(unique) for i in range(c.num_layers)], jnp.int32
+        ).reshape(G, P)
+        feats0 = jnp.zeros((len(unique) + 1, B, T, c.hidden_size), self.dtype)
+
+        def period(carry, xs):
+            h, feats = carry
+            lp, ap, gp, slots, kv, conv_state = xs
+            new_kv, new_conv = [], []
+            ia = ig = 0
+            for j, kind in enumerate(kinds):
+                p = jax.tree.map(lambda a, j=j: a[j], lp)
+                y = rms_norm_1p(h, p["input_norm"], c.rms_norm_eps)
+                if kind == FULL_ATTENTION:
+                    pa = jax.tree.map(lambda a, ia=ia: a[ia], ap)
+                    layer_kv = None if kv is None else (kv[0][ia], kv[1][ia])
+                    out, nkv = self._attention(
+                        pa, y, cos, sin, mask, layer_kv, None if cache is None else cache.lengths
+                    )
+                    new_kv.append(nkv)
+                    ia += 1
+                else:
+                    pg = jax.tree.map(lambda a, ig=ig: a[ig], gp)
+                    layer_cs = None if conv_state is None else (conv_state[0][ig], conv_state[1][ig])
+                    out, ncs = self._deltanet(pg, y, segment_ids, layer_cs)
+                    new_conv.append(ncs)
+                    ig += 1
+                h = h + out
+                y = rms_norm_1p(h, p["post_norm"], c.rms_norm_eps)
+                h = h + swiglu_mlp(y, p["gate"], p["up"], p["down"])
+                h = constrain(h, ("batch", "length", "act_embed"))
+                feats = jax.lax.dynamic_update_index_in_dim(feats, h, slots[j], axis=0)
+            stack = lambda items: (
+                None if cache is None or not items else jax.tree.map(lambda *a: jnp.stack(a), *items)
+            )
+            return (h, feats), (stack(new_kv), stack(new_conv))
+
+        xs = (
+            per_period(self.layers.stacked(), P),
+            per_period(self.attn.stacked(), n_attn) if n_attn else None,
+            per_period(self.gdn.stacked(), n_gdn) if n_gdn else None,
+            slot_of_layer,
+            None if cache is None or not n_attn else per_period((cache.k, cache.v), n_attn),
+            None if cache is None or not n_gdn else per_period((cache.conv, cache.state), n_gdn),
+        )
+        (h, feats), (kv_out, conv_out) = jax.lax.scan(period, (x, feats0), xs)
+
+        hidden = rms_norm_1p(h, self.norm[...], c.rms_norm_eps)
+        if layer_ids:
+            features = jnp.concatenate([feats[unique.index(i)] for i in layer_ids], axis=-1)
+        else:
+            features = jnp.zeros((B, T, 0), self.dtype)
+        logits = self.logits(hidden) if return_logits else None
+        new_cache = None
+        if cache is not None:
+            flat = lambda a: a.reshape(G * a.shape[1], *a.shape[2:])  # [G, n, ...] -> [G*n, ...]
+            k_new, v_new = (flat(a) for a in kv_out) if n_attn else (cache.k, cache.v)
+            if n_gdn:
+                window, state, (conv0, state0, xin, g, beta, conv_w) = jax.tree.map(flat, conv_out)
+            else:
+                window, state, conv0, state0 = cache.conv, cache.state, cache.conv, cache.state
+                xin = g = beta = conv_w = None
+            new_cache = HybridCache(
+                k_new,
+                v_new,
+                cache.lengths + T,
+                window,
+                state,
+                base=cache.lengths,
+                conv0=conv0,
+                state0=state0,
+                x=xin,
+                g=g,
+                beta=beta,
+                conv_w=conv_w,
+                num_key_heads=c.linear_num_key_heads,
+                chunk_size=self.chunk_size,
+            )
+        return TargetOutput(logits=logits, hidden=hidden, features=features, cache=new_cache)
+
+
+def build_target_model(config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+    """The model class for ``config``: HybridTargetModel for qwen3_5, TargetModel otherwise."""
+    if config.is_hybrid:
+        return HybridTargetModel(config, dtype=dtype, rngs=rngs)
+    return TargetModel(config, dtype=dtype, rngs=rngs)
+
+
+__all__ = ["HybridCache", "HybridTargetModel", "build_target_model", "hybrid_param_specs"]
