@@ -26,5 +26,7 @@ def test_tiny_hybrid_trains_and_evaluates(tmp_path):
     assert len(losses) == 4 and np.all(np.isfinite(losses))
     # Held-out speculative decoding ran on the hybrid target before and after training.
     for when in ("before", "after"):
-        assert out[f"eval_{when}"]["verify_steps"] > 0
-        assert 1.0 <= out[f"tau_{when}"] <= 4.0
+        rep = out[f"eval_{when}"]
+        assert rep["num_prompts"] == 2 and rep["verify_steps"] > 0
+        s = rep["summary"]  # every output token past each prompt's first came from a verify step
+        assert rep["tau_pooled"] * rep["verify_steps"] == pytest.approx(s["output_tokens"] - 2)
