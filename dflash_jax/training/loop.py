@@ -45,6 +45,21 @@ class LoopResult:
     last: dict  # the last logged train metrics (empty if none was logged)
 
 
+def _follow_time_limit(bar, train: TrainSection, step: int, start_step: int, t_train: float, compiled_at):
+    """With a time limit, the bar's total (and so its ETA) is the step the limit will stop at,
+    from the mean compiled step time so far, never past ``train.steps``."""
+    now = time.perf_counter()
+    left = 60 * train.time_limit_minutes - (now - t_train)
+    done_since_compile = step - start_step - 1
+    if compiled_at is None or done_since_compile < 1:
+        return
+    per_step = (now - compiled_at) / done_since_compile
+    total = min(train.steps, step + max(0, math.ceil(left / per_step)))
+    if total != bar.total:
+        bar.total = total
+        bar.refresh()
+
+
 def train_loop(
     train: TrainSection,
     *,
@@ -89,6 +104,8 @@ def train_loop(
             else:
                 window_tokens += int(metrics["tokens"])
             bar.update(1)
+            if train.time_limit_minutes is not None:
+                _follow_time_limit(bar, train, step, start_step, t_train, compiled_at)
             if step % train.log_every == 0 or step == train.steps:
                 dt = max(time.perf_counter() - window_t, 1e-9)
                 last = {k: np.asarray(v) for k, v in metrics.items()}
