@@ -237,8 +237,8 @@ def compare_drafter_step(args) -> dict:
         return loss
 
     # reference: z-lab's model on [context ; all blocks] with the dense mask, same loss and AdamW
-    t_feats = torch.from_numpy(np.asarray(feats))
-    t_noise = torch.from_numpy(np.asarray(embeds).reshape(R, A * S, D))
+    t_feats = torch.from_numpy(np.array(feats))
+    t_noise = torch.from_numpy(np.array(embeds).reshape(R, A * S, D))
     slot_pos = anchors[:, :, None] + np.arange(S)[None, None]
     t_pos = torch.from_numpy(np.concatenate([pos, slot_pos.reshape(R, -1)], 1)).long()
     t_mask = torch.from_numpy(_dense_anchored_mask(seg, anchors, valid, S))[:, None]
@@ -260,7 +260,7 @@ def compare_drafter_step(args) -> dict:
 
     # Same weights, batch and loss: the first losses agree (before either update).
     l_ours = float(step(drafter, optimizer, feats, embeds, labels))
-    l_ref = float(ref_step())
+    l_ref = float(ref_step().detach())
 
     def ours():
         step(drafter, optimizer, feats, embeds, labels).block_until_ready()
@@ -357,7 +357,7 @@ def compare_attention(args) -> dict:
 
     shape = dict(rows=2, length=128, anchors=8, block=4, heads=4, kv_heads=2, head_dim=16) if args.small else \
         dict(rows=2, length=1024, anchors=64, block=16, heads=9, kv_heads=3, head_dim=64)
-    ns = argparse.Namespace(**shape, repeats=args.repeats, impls=args.impls)
+    ns = argparse.Namespace(**shape, repeats=args.repeats, impls=args.impls, docs=4, dtype="float32")
     out = bench_attention(ns)
     ref = out.get("reference", {}).get("fwd_bwd_ms")
     for impl in args.impls:
