@@ -3,8 +3,10 @@
 python -m dflash_jax.bench step [--config tiny] [--steps 10] [key=value ...]
     training-step throughput: tokens/s/device, drafter blocks/s, step time and MFU, with
     the compile step excluded
-python -m dflash_jax.bench attention [--rows 2 --length 2048 --anchors 64 --block 16]
-    anchored block attention, forward+backward, per implementation
+python -m dflash_jax.bench attention [--rows 2 --length 2048 --anchors 64 --block 16 --docs 4]
+    anchored block attention, forward+backward, per implementation (reference | xla | pallas;
+    pallas in interpret mode off GPU): time, compiled temp memory, the fraction of the dense
+    [A*S, T] context scores computed vs the fraction the mask lets through
 python -m dflash_jax.bench generate [--target smollm2] [--batch 32 --prompt 128 --new 128]
     KV-cache generation tokens/s
 python -m dflash_jax.bench compare {target,drafter-step,eval,attention,all} [--small]
@@ -90,9 +92,86 @@ def bench_step(args) -> dict:
     return out
 
 
-def bench_attention(args) -> dict:
-    from dflash_jax.drafter.attention import anchored_attention
+def attention_inputs(R, T, A, S, N, K, H, *, docs=4, dtype="float32", seed=0):
+    """Packed rows of ``docs`` equal documents with ``A`` sorted anchors drawn inside them (the
+    training layout: an anchor a has a+1 in its document); q/k/v random in ``dtype``."""
     from dflash_jax.drafter.masks import AnchoredMask
+
+    rng = np.random.default_rng(seed)
+    doc_len = max(T // docs, 2)
+    idx = np.arange(T)
+    seg = np.minimum(idx // doc_len, docs - 1) + 1
+    pos = idx - (seg - 1) * doc_len
+    candidates = np.flatnonzero(np.r_[seg[1:] == seg[:-1], False])
+    anchors = np.sort(np.stack([rng.choice(candidates, A, replace=A > len(candidates)) for _ in range(R)]), 1)
+    mask = AnchoredMask.for_packed_rows(
+        jnp.asarray(np.broadcast_to(seg, (R, T)), jnp.int32),
+        jnp.asarray(np.broadcast_to(pos, (R, T)), jnp.int32),
+        jnp.asarray(anchors, jnp.int32),
+        jnp.ones((R, A), bool),
+        S,
+    )
+    key = jax.random.split(jax.random.key(seed), 3)
+    dt = jnp.dtype(dtype)
+    q = jax.random.normal(key[0], (R, A, S, N, H)).astype(dt)
+    k_ctx, v_ctx = jax.random.normal(key[1], (2, R, T, K, H)).astype(dt)
+    k_blk, v_blk = jax.random.normal(key[2], (2, R, A, S, K, H)).astype(dt)
+    return (q, k_ctx, v_ctx, k_blk, v_blk), mask
+
+
+def visible_fraction(mask) -> float:
+    """Fraction of the dense ``[A*S, T]`` context scores the mask lets through (no window)."""
+    seg = np.asarray(mask.ctx_segment_ids)
+    anchors, anchor_seg = np.asarray(mask.anchors), np.asarray(mask.anchor_segment_ids)
+    T = seg.shape[1]
+    seen = 0
+    for b in range(seg.shape[0]):  # per row: [A, T] bools, never [A*S, T]
+        vis = (seg[b][None, :] == anchor_seg[b][:, None]) & (np.arange(T)[None, :] < anchors[b][:, None])
+        seen += int((vis & (anchor_seg[b][:, None] != 0)).sum())
+    return seen / (anchors.size * T)
+
+
+def pallas_computed_fraction(mask, head_dim: int, tiles=None) -> float:
+    """Fraction of the dense ``[A*S, T]`` context scores the Pallas forward computes."""
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.tiles import computed_fraction, query_tiles
+
+    t = Tiles.default(head_dim) if tiles is None else tiles
+    R, A, S = mask.slot_positions.shape
+    T = mask.ctx_segment_ids.shape[1]
+    n_q = -(-A * S // t.block_q)
+    qt = query_tiles(
+        mask.ctx_segment_ids, mask.anchors, mask.anchor_segment_ids, slots=S, block_q=t.block_q,
+        block_k=t.block_k, n_q_tiles=n_q, window=None,
+    )  # fmt: skip
+    unmasked = float(jnp.sum(qt.f1 - qt.f0) / jnp.maximum(jnp.sum(qt.hi - qt.lo), 1))
+    frac = computed_fraction(qt, block_q=t.block_q, block_k=t.block_k, num_queries=A * S, num_keys=T)
+    return float(jnp.mean(frac)), unmasked
+
+
+def measure_attention(impl, inputs, mask, *, repeats: int, anchor_chunk: int = 16) -> dict:
+    """Forward+backward of the whole anchored attention (context + in-block) with ``impl``:
+    mean time (compile excluded) and the compiled temp memory."""
+    from dflash_jax.drafter.attention import anchored_attention
+
+    def loss(q, kc, vc, kb, vb, mask):
+        o = anchored_attention(
+            q, kc, vc, kb, vb, mask, causal=False, window=None, impl=impl, anchor_chunk=anchor_chunk
+        )
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    try:
+        mem = f.lower(*inputs, mask).compile().memory_analysis()
+        out = {"fwd_bwd_ms": 1e3 * _timeit(lambda: f(*inputs, mask), repeats)}
+        out["temp_mib"] = mem.temp_size_in_bytes / 2**20
+    except Exception as e:  # noqa: BLE001 - report an impl that cannot run here
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
+
+
+def bench_attention(args) -> dict:
+    from pallas_kernels.anchored_attention import resolve_impl
 
     R, T, A, S, N, K, H = (
         args.rows,
@@ -103,32 +182,22 @@ def bench_attention(args) -> dict:
         args.kv_heads,
         args.head_dim,
     )
-    key = jax.random.split(jax.random.key(0), 6)
-    q = jax.random.normal(key[0], (R, A, S, N, H))
-    k_ctx, v_ctx = jax.random.normal(key[1], (2, R, T, K, H))
-    k_blk, v_blk = jax.random.normal(key[2], (2, R, A, S, K, H))
-    seg = jnp.ones((R, T), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
-    anchors = jnp.sort(jax.random.randint(key[3], (R, A), 1, T - S), axis=1).astype(jnp.int32)
-    mask = AnchoredMask.for_packed_rows(seg, pos, anchors, jnp.ones((R, A), bool), S)
-    out = {"shape": dict(rows=R, length=T, anchors=A, block=S, heads=N, kv_heads=K, head_dim=H)}
+    inputs, mask = attention_inputs(R, T, A, S, N, K, H, docs=args.docs, dtype=args.dtype)
+    pallas_frac, pallas_unmasked = pallas_computed_fraction(mask, H)
+    out = {
+        "backend": jax.default_backend(),
+        "shape": dict(rows=R, length=T, anchors=A, block=S, heads=N, kv_heads=K, head_dim=H),
+        "dtype": args.dtype,
+        "docs_per_row": args.docs,
+        "visible_fraction": visible_fraction(mask),
+    }
     for impl in args.impls:
-
-        def loss(q, kc, vc, kb, vb, impl=impl):
-            o = anchored_attention(
-                q, kc, vc, kb, vb, mask, causal=False, window=None, impl=impl, anchor_chunk=16
-            )
-            return jnp.sum(o.astype(jnp.float32) ** 2)
-
-        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-        try:
-            out[impl] = {
-                "fwd_bwd_ms": 1e3 * _timeit(lambda f=f: f(q, k_ctx, v_ctx, k_blk, v_blk), args.repeats)
-            }
-            mem = f.lower(q, k_ctx, v_ctx, k_blk, v_blk).compile().memory_analysis()
-            out[impl]["temp_mib"] = mem.temp_size_in_bytes / 2**20
-        except Exception as e:  # noqa: BLE001 - report an unavailable impl (e.g. pallas on CPU)
-            out[impl] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        resolved = resolve_impl(impl)
+        out[impl] = measure_attention(impl, inputs, mask, repeats=args.repeats)
+        out[impl]["computed_fraction"] = pallas_frac if resolved == "pallas" else 1.0
+        if resolved == "pallas":
+            out[impl]["mask_free_tile_share"] = pallas_unmasked
+            out[impl]["interpret"] = jax.default_backend() not in ("gpu", "cuda")
     return out
 
 
@@ -210,7 +279,9 @@ def main(argv=None) -> int:
         ("repeats", 3),
     ):
         a.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
-    a.add_argument("--impls", nargs="+", default=["reference", "xla"])
+    a.add_argument("--docs", type=int, default=4, help="equal documents packed per row")
+    a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    a.add_argument("--impls", nargs="+", default=["reference", "xla", "pallas"])
     g = sub.add_parser("generate")
     g.add_argument("--target", default="smollm2")
     g.add_argument("--dtype", default="float32")

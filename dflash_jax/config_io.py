@@ -46,6 +46,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if _is_dataclass_type(tp):
         if isinstance(value, tp):
             return value
+        if isinstance(value, str) and hasattr(tp, "from_string"):  # e.g. mesh: "data=2,tensor=4"
+            try:
+                return tp.from_string(value)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from e
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for section {tp.__name__}, got {value!r}")
         return from_dict(tp, value, where)

@@ -35,7 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
-    ("features", "fsdp"),
+    ("features", ("fsdp", "tensor")),  # fc input (K taps x hidden): sharded in any layout
 )
 
 
@@ -47,6 +47,28 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     num_devices: int | None = None  # use only the first N devices (None: all)
+
+    @classmethod
+    def from_string(cls, text: str) -> MeshConfig:
+        """'data=2,tensor=4' (the mesh_experiment syntax): named axes get their sizes, the rest 1."""
+        sizes = {}
+        for part in str(text).replace(" ", "").split(","):
+            if not part:
+                continue
+            name, eq, value = part.partition("=")
+            if not eq or name not in MESH_AXES:
+                raise ValueError(
+                    f"mesh layout {text!r}: {part!r} must be AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+                )
+            if name in sizes:
+                raise ValueError(f"mesh layout {text!r}: axis {name!r} given twice")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh layout {text!r}: size of {name!r} must be an integer, got {value!r}") from None
+        if not sizes:
+            raise ValueError(f"mesh layout {text!r} names no axis")
+        return cls(**{a: sizes.get(a, 1) for a in MESH_AXES})
 
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
         sizes = [self.data, self.fsdp, self.tensor]

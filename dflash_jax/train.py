@@ -29,6 +29,23 @@ from dflash_jax.training.run_config import RunConfig, load_run_config
 log = logging.getLogger("dflash_jax.train")
 
 
+def check_plan(cfg: RunConfig, target_dir, mesh, device_memory: int | None = None, *, quiet=False):
+    """Pre-flight: AOT-compile this run's step on abstract weights and refuse a run that cannot fit,
+    before the target is loaded. Runs when the devices report their memory (accelerators) or when
+    ``device_memory`` is given; CPU runs without it skip the compile."""
+    from dflash_jax import plan
+    from dflash_jax.target.config import TargetConfig
+
+    devices = list(mesh.devices.flat)
+    if device_memory is None and plan.device_memory_limit(devices) is None:
+        return None
+    arch = TargetConfig.from_pretrained(target_dir) if not cfg.target.architecture else None
+    p, text = plan.preflight(cfg, devices, target_config=arch, device_memory=device_memory)
+    if not quiet:
+        log.info("pre-flight memory plan:\n%s", text)
+    return p
+
+
 def run(
     cfg: RunConfig,
     *,
@@ -36,9 +53,11 @@ def run(
     init_from: str | None = None,
     quiet: bool = False,
     stop_at_step: int | None = None,
+    device_memory: int | None = None,
 ) -> dict:
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
+    ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``check_plan``).
     ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
     a later ``resume=True`` run continues the same schedule.
     """
@@ -59,6 +78,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
     target_dir, tok_dir = setup.resolve_target(cfg, run_dir)
+    check_plan(cfg, target_dir, mesh, device_memory, quiet=quiet)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype, mesh=mesh)
     tc = target.config
@@ -178,6 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         "--init-from", default=None, help="warm-start the drafter (z-lab HF dir or checkpoint dir)"
     )
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="AOT-compile this config's step on abstract weights, print per-device memory, and exit",
+    )
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="bytes per device for --plan and the pre-flight check, e.g. 80GB (default: what the devices report)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -188,7 +218,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    result = run(cfg, resume=args.resume, init_from=args.init_from, quiet=args.quiet)
+    from dflash_jax import plan
+
+    memory = plan.parse_bytes(args.device_memory) if args.device_memory else None
+    if args.plan:
+        devices = list(make_mesh(cfg.mesh).devices.flat)
+        try:
+            _, text = plan.preflight(cfg, devices, device_memory=memory)
+        except plan.PlanDoesNotFit as e:
+            print(f"does not fit:\n{e}", file=sys.stderr)
+            return 3
+        except (plan.LayoutError, ConfigError) as e:
+            print(f"plan error: {e}", file=sys.stderr)
+            return 2
+        print(text)
+        return 0
+    try:
+        result = run(cfg, resume=args.resume, init_from=args.init_from, quiet=args.quiet, device_memory=memory)
+    except plan.PlanDoesNotFit as e:
+        print(f"does not fit, nothing loaded:\n{e}", file=sys.stderr)
+        return 3
     result = {k: v for k, v in result.items() if k not in ("drafter", "target")}
     print(json.dumps(result, indent=2))
     print(f"outputs: {result['run_dir']} (metrics.jsonl, metrics.png, tensorboard/, checkpoints/)")

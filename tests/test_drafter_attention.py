@@ -11,41 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_base import packed_case
 
 from dflash_jax.drafter.attention import anchored_attention
 from dflash_jax.drafter.masks import AnchoredMask
 
 
 def random_packed(seed, B=2, T=40, A=10, S=4, N=4, K=2, H=8):
-    """Rows packed with 3-4 documents and padding; anchors sorted, incl. doc starts/ends."""
-    rng = np.random.default_rng(seed)
-    seg = np.zeros((B, T), np.int32)
-    pos = np.zeros((B, T), np.int32)
-    anchors = np.zeros((B, A), np.int32)
-    valid = np.ones((B, A), bool)
-    for b in range(B):
-        cuts = np.sort(rng.choice(np.arange(3, T - 4), size=3, replace=False))
-        bounds = [0, *cuts.tolist(), T - int(rng.integers(0, 4))]  # padding at the end
-        starts, ends = [], []
-        for d in range(len(bounds) - 1):
-            lo, hi = bounds[d], bounds[d + 1]
-            seg[b, lo:hi] = d + 1
-            pos[b, lo:hi] = np.arange(hi - lo) + (5 if d == 0 else 0)  # a row may not start at 0
-            starts.append(lo)
-            ends.append(hi - 1)
-        picks = set(starts[:3]) | set(ends[:3])
-        picks |= set(rng.choice(bounds[-1], size=A, replace=True).tolist())
-        a = np.sort(np.array(sorted(picks))[:A])
-        if len(a) < A:
-            a = np.sort(np.concatenate([a, rng.choice(bounds[-1], size=A - len(a))]))
-        anchors[b] = a
-        valid[b, -1] = False  # a padding anchor at the end
-        anchors[b, -1] = T - 1
-    mask = AnchoredMask.for_packed_rows(
-        jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(anchors), jnp.asarray(valid), S
-    )
-    shapes = [(B, A, S, N, H), (B, T, K, H), (B, T, K, H), (B, A, S, K, H), (B, A, S, K, H)]
-    return tuple(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in shapes), mask
+    """Rows packed with 3-4 documents and padding (kernel_test_base.packed_case), plus random
+    in-block keys and values."""
+    (q, k_ctx, v_ctx), mask = packed_case(seed, B=B, T=T, A=A, S=S, N=N, K=K, H=H)
+    rng = np.random.default_rng(seed + 1000)
+    k_blk, v_blk = (jnp.asarray(rng.normal(size=(B, A, S, K, H)).astype(np.float32)) for _ in range(2))
+    return (q, k_ctx, v_ctx, k_blk, v_blk), mask
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "causal", "window", "chunk"))

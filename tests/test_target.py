@@ -219,7 +219,7 @@ def test_unsupported_rope_scaling(good_dir, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type: unknown 'yarn'"):
         dflash_jax.load_target(bad)
 
 

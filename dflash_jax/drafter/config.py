@@ -21,7 +21,7 @@ from dflash_jax.layers import RopeConfig
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LayerType = Literal["full_attention", "sliding_attention"]
-AttentionImpl = Literal["reference", "xla", "pallas"]
+AttentionImpl = Literal["auto", "pallas", "xla", "reference"]
 # The module that must import for ``attention_impl: pallas`` (pallas_kernels needs only jax).
 PALLAS_KERNEL_MODULE = "pallas_kernels.anchored_attention"
 
@@ -93,8 +93,9 @@ class DrafterConfig:
     except where ``causal_in_block`` says otherwise: ``None`` follows z-lab's rule (sliding layers
     causal, full layers bidirectional), ``True``/``False`` force every layer (z-lab's ``is_causal``).
 
-    ``attention_impl``: ``reference`` (dense, for tests), ``xla`` (anchor-chunked, memory-bounded),
-    ``pallas`` (kernel from ``pallas_kernels``). ``anchor_chunk``: anchors per chunk in ``xla``.
+    ``attention_impl``: ``auto`` (``pallas`` on GPU, ``xla`` elsewhere), ``reference`` (dense, for
+    tests), ``xla`` (anchor-chunked, memory-bounded), ``pallas`` (the kernel in ``pallas_kernels``;
+    interpret mode off GPU). ``anchor_chunk``: anchors per chunk in ``xla``.
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
     """
@@ -119,7 +120,7 @@ class DrafterConfig:
     embedding_scale: float = 1.0
     logit_scale: float = 1.0
     logit_softcap: float | None = None
-    attention_impl: AttentionImpl = "xla"
+    attention_impl: AttentionImpl = "auto"
     anchor_chunk: int = 16
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"

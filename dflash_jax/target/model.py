@@ -19,6 +19,7 @@ from flax import nnx
 
 from dflash_jax.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu_mlp
 from dflash_jax.sharding import constrain
+from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
 from dflash_jax.target.config import TargetConfig
 
 _NEG_INF = -1e30
@@ -104,7 +105,8 @@ class DecoderStack(nnx.Module):
 
 
 def _attend(q, k, v, mask, scale):
-    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool -> [B,T,N,H]. Softmax in fp32."""
+    """Dense attention with a [B,T,S] bool mask (O(T x S) memory): kept for callers that already
+    hold a dense mask; the target itself uses ``attention.attend`` (tiled, masks as small arrays)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
@@ -195,15 +197,11 @@ class TargetModel(nnx.Module):
         cos, sin = rope_cos_sin(positions, c.rope, c.head_dim)
 
         if cache is None:
-            seg = segment_ids if segment_ids is not None else jnp.ones((B, T), jnp.int32)
-            t_idx = jnp.arange(T)
-            mask = (t_idx[None, :, None] >= t_idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+            q_index, q_seg, kv_seg = self_attention_mask(B, T, segment_ids)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache")
-            s_idx = jnp.arange(cache.capacity)
-            q_abs = cache.lengths[:, None] + jnp.arange(T)[None]  # [B,T] slot index of each query
-            mask = s_idx[None, None, :] <= q_abs[:, :, None]
+            q_index, q_seg, kv_seg = cache_attention_mask(cache.lengths, T, cache.capacity)
 
         # Unique tapped layers, each written once into a buffer row; row U is a discard slot.
         unique = tuple(sorted(set(layer_ids)))
@@ -234,7 +232,7 @@ class TargetModel(nnx.Module):
                 k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
             else:
                 new_kv = None
-            attn = _attend(q, k, v, mask, scale)
+            attn = attend(q, k, v, q_index, q_seg, kv_seg, scale)
             out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
             if c.o_proj_bias:
                 out = out + p["o_bias"]

@@ -27,6 +27,9 @@ class TargetSection:
 
     path: str = "smollm2"
     dtype: DtypeName = "float32"
+    # HF config.json fields of the target, written out: lets a run be planned (memory per device,
+    # layouts) with no target directory at hand. Loading weights still reads the directory.
+    architecture: dict | None = None
     tokenizer: str | None = None  # default: the target dir (``tiny``: the SmolLM2 tokenizer)
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 4
@@ -40,7 +43,7 @@ class DrafterSection:
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None  # default: a special token of the tokenizer (see train.py)
     intermediate_size: int | None = None  # default: the target's
-    attention_impl: AttentionImpl = "xla"
+    attention_impl: AttentionImpl = "auto"  # pallas on GPU, xla elsewhere
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
 
@@ -68,6 +71,8 @@ class TrainSection:
         "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
     )
     feature_noise_std: float = 0.0  # noise on the drafter's input features only, never on labels
+    remat: Literal["none", "full", "dots"] = "none"  # drafter forward recompute in backward
+    micro_batches: int = 1  # gradient accumulation: the batch's rows in this many sequential passes
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 100
@@ -84,6 +89,8 @@ class TrainSection:
             raise ValueError("train.learning_rate must be > 0 and train.end_lr_ratio in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.micro_batches < 1:
+            raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "loss_chunk"):

@@ -25,6 +25,13 @@ from dflash_jax.training.loss import block_metrics, chunked_token_loss, slot_wei
 if TYPE_CHECKING:
     from dflash_jax.training.run_config import TrainSection
 
+# What the drafter's backward pass may keep from its forward (``train.remat``).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
@@ -97,33 +104,64 @@ def block_loss(draft, hidden, anchors, anchor_valid, loss_mask, lm_head, cfg: Tr
         compute_dtype=dtype,
         labels=slot_labels,
     )
-    w = slot_weights(B, cfg.gamma, cfg.loss_weighting)[1:]
-    weights = (item_mask * w).reshape(-1)
-    loss = jnp.sum(loss_i * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    weights = slot_loss_weights(item_mask, cfg).reshape(-1)
+    loss_sum = jnp.sum(loss_i * weights)
+    loss = loss_sum / jnp.maximum(jnp.sum(weights), 1e-6)
     per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
-    return loss, {"streak": streak, "slot_acc": per_slot, "labels": labels.reshape(R, A, B - 1)}
+    return loss, {
+        "streak": streak,
+        "slot_acc": per_slot,
+        "labels": labels.reshape(R, A, B - 1),
+        "loss_sum": loss_sum,
+        "slot_count": jnp.sum(item_mask, axis=(0, 1)),
+    }
 
 
-def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False):
+def slot_loss_weights(item_mask, cfg: TrainSection):
+    """[R,A,B-1] loss weight of every trained slot (decay/uniform weight x trained mask)."""
+    w = slot_weights(item_mask.shape[-1] + 1, cfg.gamma, cfg.loss_weighting)[1:]
+    return item_mask * w
+
+
+def _anchors(key, batch, block_size: int, cfg: TrainSection):
+    return sample_anchors(
+        key,
+        batch["loss_mask"],
+        batch["segment_ids"],
+        block_size=block_size,
+        max_anchors=cfg.max_anchors,
+    )
+
+
+def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, embeds):
+    return drafter.forward_train(features, positions, segment_ids, anchors, valid, embeds)
+
+
+def drafter_loss(
+    drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False, anchors=None
+):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
-    ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging)."""
+    ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
+    ``anchors``: (anchors, valid) already drawn (micro-batching draws them for the whole batch)."""
     k_anchor, k_noise = jax.random.split(key)
     features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
     if cfg.feature_noise_std > 0:
         features = features + cfg.feature_noise_std * jax.random.normal(
             k_noise, features.shape, features.dtype
         )
-    anchors, valid = sample_anchors(
-        k_anchor,
-        batch["loss_mask"],
-        batch["segment_ids"],
-        block_size=drafter.config.block_size,
-        max_anchors=cfg.max_anchors,
-    )
+    if anchors is None:
+        anchors = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
+    anchors, valid = anchors
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
-    draft = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
+    remat = getattr(cfg, "remat", "none")
+    forward = (
+        _drafter_forward if remat == "none" else nnx.remat(_drafter_forward, policy=REMAT_POLICIES[remat])
+    )
+    draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
     loss, extra = block_loss(draft, hidden, anchors, valid, batch["loss_mask"], target.lm_head_weight(), cfg)
     metrics = {
+        "loss_sum": extra["loss_sum"],
+        "slot_count": extra["slot_count"],
         "loss": loss,
         "streak": extra["streak"],
         "slot_acc": extra["slot_acc"],
@@ -135,16 +173,76 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
     return loss, metrics
 
 
-def make_train_step(cfg: TrainSection):
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(drafter, optimizer, target, batch, key):
+def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection) -> dict:
+    """One optimizer update of ``drafter`` in place; returns the step's metrics. Traced by the
+    trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same."""
+    if getattr(cfg, "micro_batches", 1) == 1:
+
         def loss_fn(model):
             return drafter_loss(model, target, batch, key, cfg)
 
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        optimizer.update(drafter, grads)
-        return metrics
+    else:
+        grads, metrics = accumulated_grads(drafter, target, batch, key, cfg)
+    metrics.pop("loss_sum"), metrics.pop("slot_count")
+    metrics["grad_norm"] = optax.global_norm(grads)
+    optimizer.update(drafter, grads)
+    return metrics
+
+
+def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
+    """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
+
+    Anchors are drawn once for the whole batch and the loss is normalised by the whole batch's
+    slot weights, so the update equals the full-batch one (up to float summation order). Only the
+    feature-noise draws (``feature_noise_std > 0``) differ from the full-batch step.
+    """
+    M = cfg.micro_batches
+    R = batch["input_ids"].shape[0]
+    if R % M:
+        raise ValueError(f"train.micro_batches={M} does not divide the batch's {R} rows")
+    k_anchor, k_rest = jax.random.split(key)
+    anchors, valid = _anchors(k_anchor, batch, drafter.config.block_size, cfg)
+    _, item_mask = labels_and_mask(anchors, valid, batch["loss_mask"], drafter.config.block_size)
+    denom = jnp.maximum(jnp.sum(slot_loss_weights(item_mask, cfg)), 1e-6)
+
+    def split(x):
+        return x.reshape(M, R // M, *x.shape[1:])
+
+    xs = ({k: split(v) for k, v in batch.items()}, split(anchors), split(valid), jax.random.split(k_rest, M))
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+
+    def one(grad_acc, x):
+        mb, a, v, k = x
+
+        def loss_fn(p):
+            model = nnx.merge(graphdef, p, rest)
+            _, m = drafter_loss(model, target, mb, k, cfg, anchors=(a, v))
+            return m["loss_sum"] / denom, m
+
+        (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.tree.map(jnp.add, grad_acc, g), m
+
+    grads, per = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), xs)
+    n_valid = jnp.sum(split(valid), axis=(1, 2))  # [M]
+    slot_count = per["slot_count"]  # [M, B-1]
+    metrics = {
+        "loss": jnp.sum(per["loss_sum"]) / denom,
+        "streak": jnp.sum(per["streak"] * n_valid) / jnp.maximum(jnp.sum(n_valid), 1),
+        "slot_acc": jnp.sum(per["slot_acc"] * slot_count, axis=0)
+        / jnp.maximum(jnp.sum(slot_count, axis=0), 1),
+        "anchors": jnp.sum(per["anchors"]),
+        "tokens": jnp.sum(per["tokens"]),
+        "loss_sum": jnp.sum(per["loss_sum"]),
+        "slot_count": jnp.sum(slot_count, axis=0),
+    }
+    return grads, metrics
+
+
+def make_train_step(cfg: TrainSection):
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(drafter, optimizer, target, batch, key):
+        return apply_train_step(drafter, optimizer, target, batch, key, cfg)
 
     return train_step
 

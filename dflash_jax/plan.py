@@ -1,0 +1,489 @@
+"""Memory and communication plans from AOT compiles on abstract parameters.
+
+Nothing here reads or allocates a weight: the target, the drafter and the optimizer are built with
+``nnx.eval_shape``, every leaf becomes a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding``
+its logical axes give on the mesh, and ``jax.jit(...).lower(...).compile()`` yields the per-device
+program. From it: ``memory_analysis()`` (arguments, outputs, aliasing, temporaries), the HLO's
+collectives and matmul FLOPs (``hlo_stats``), and optionally a measured step time on the devices.
+
+Used by ``python -m dflash_jax.mesh_experiment`` (many layouts) and ``python -m dflash_jax.train
+--plan`` / the pre-flight check before a run loads its target (one layout).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dflash_jax import hlo_stats
+from dflash_jax.sharding import MESH_AXES, MeshConfig, make_mesh, named_sharding
+
+
+class LayoutError(ValueError):
+    """A mesh layout that cannot run this model: names the dimension and the mesh axis."""
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What one training step looks like, independent of the layout."""
+
+    target_config: object  # TargetConfig
+    drafter_config: object  # DrafterConfig
+    train_section: object  # run_config.TrainSection: the step's settings and the optimizer's
+    target_dtype: str = "bfloat16"
+    batch_rows: int = 8  # R: global packed rows per step
+    seq_len: int = 4096  # T
+
+
+@dataclass
+class LayoutPlan:
+    layout: str
+    devices: int
+    target_param_bytes: int
+    drafter_param_bytes: int
+    optimizer_bytes: int
+    train_argument_bytes: int
+    train_output_bytes: int
+    train_alias_bytes: int
+    train_temp_bytes: int
+    target_temp_bytes: int
+    flops: float  # matmul FLOPs per device per step (loops multiplied out)
+    collectives: dict = field(default_factory=dict)  # kind -> (count, bytes) per device per step
+    unknown_trip_loops: int = 0
+    compile_seconds: float = 0.0
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per-device peak of the train step: live arguments + outputs not aliased + temporaries."""
+        return (
+            self.train_argument_bytes + self.train_output_bytes - self.train_alias_bytes + self.train_temp_bytes
+        )
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(b for _, b in self.collectives.values())
+
+    def collectives_summary(self) -> str:
+        return hlo_stats.HloStats(self.flops, self.collectives, self.unknown_trip_loops).collectives_summary()
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------------------------
+
+
+def parse_layout(text: str) -> MeshConfig:
+    """'data=2,tensor=4' -> MeshConfig(data=2, fsdp=1, tensor=4); unnamed axes are 1."""
+    return MeshConfig.from_string(text)
+
+
+def layout_name(config: MeshConfig, num_devices: int) -> str:
+    sizes = config.resolve(num_devices)
+    parts = [f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True) if s > 1]
+    return ",".join(parts) or "data=1"
+
+
+def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> tuple[int, int, int]:
+    """Resolve ``config`` against the devices and reject a layout the model cannot use.
+
+    Returns the (data, fsdp, tensor) sizes. Raises LayoutError naming the dimension and the axis.
+    """
+    sizes = [config.data, config.fsdp, config.tensor]
+    known = math.prod(s for s in sizes if s > 0)
+    wanted = config.num_devices or (known if -1 not in sizes else available_devices)
+    if known > available_devices or wanted > available_devices:
+        raise LayoutError(
+            f"layout {config_text(config)} needs {max(known, wanted)} devices but only "
+            f"{available_devices} exist"
+        )
+    try:
+        data, fsdp, tensor = config.resolve(wanted)
+    except ValueError as e:
+        raise LayoutError(str(e)) from e
+    t, d = spec.target_config, spec.drafter_config
+    checks = [
+        ("tensor", tensor, "num_heads (target)", t.num_heads),
+        ("tensor", tensor, "num_kv_heads (target)", t.num_kv_heads),
+        ("tensor", tensor, "intermediate_size (target)", t.intermediate_size),
+        ("tensor", tensor, "num_heads (drafter)", d.num_heads),
+        ("tensor", tensor, "num_kv_heads (drafter)", d.num_kv_heads),
+        ("tensor", tensor, "intermediate_size (drafter)", d.intermediate_size),
+        ("fsdp", fsdp, "hidden_size", t.hidden_size),
+        ("data*fsdp", data * fsdp, "batch rows", spec.batch_rows),
+    ]
+    for axis, size, dim, value in checks:
+        if size > 1 and value % size:
+            raise LayoutError(
+                f"layout {config_text(config)}: mesh axis {axis}={size} does not divide {dim}={value}"
+            )
+    return data, fsdp, tensor
+
+
+def config_text(config: MeshConfig) -> str:
+    return ",".join(f"{a}={getattr(config, a)}" for a in MESH_AXES if getattr(config, a) != 1) or "data=1"
+
+
+# --------------------------------------------------------------------------------------------
+# abstract state
+# --------------------------------------------------------------------------------------------
+
+
+def _abstract_with_shardings(state, mesh: Mesh):
+    """Every leaf of an nnx State -> ShapeDtypeStruct with the sharding of its logical axes."""
+
+    def leaf(var):
+        value = var.get_value() if hasattr(var, "get_value") else var
+        axes = var.get_metadata().get("logical_axes") if hasattr(var, "get_metadata") else None
+        sharding = named_sharding(mesh, axes if value.shape else None, value.shape)
+        var = var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+        return var
+
+    return jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _shardings(abstract_state):
+    return jax.tree.map(lambda x: x.sharding, abstract_state)
+
+
+def per_device_bytes(abstract_state) -> int:
+    """Bytes one device holds: each leaf's shard shape times its itemsize (the largest shard)."""
+    total = 0
+    for x in jax.tree.leaves(abstract_state):
+        shard = x.sharding.shard_shape(x.shape) if x.shape else ()
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract_target(spec: PlanSpec, mesh: Mesh):
+    from dflash_jax.target.model import TargetModel
+
+    model = nnx.eval_shape(
+        lambda: TargetModel(spec.target_config, dtype=jnp.dtype(spec.target_dtype), rngs=nnx.Rngs(0))
+    )
+    graphdef, state = nnx.split(model)
+    return graphdef, _abstract_with_shardings(state, mesh)
+
+
+def abstract_drafter_and_optimizer(spec: PlanSpec, mesh: Mesh):
+    from dflash_jax.drafter.model import DFlashDrafter
+    from dflash_jax.training.step import make_optimizer
+
+    def create():
+        drafter = DFlashDrafter(spec.drafter_config, rngs=nnx.Rngs(0))
+        return drafter, nnx.Optimizer(drafter, make_optimizer(spec.train_section), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(create))
+    return graphdef, _abstract_with_shardings(state, mesh)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over (data, fsdp): the layout the trainer's input pipeline uses."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+
+
+def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
+    s = jax.ShapeDtypeStruct((spec.batch_rows, spec.seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    return {"input_ids": s, "positions": s, "segment_ids": s, "loss_mask": s}
+
+
+# --------------------------------------------------------------------------------------------
+# compiled step functions
+# --------------------------------------------------------------------------------------------
+
+
+def _target_forward_fn(t_graph, layer_ids):
+    from dflash_jax.training.step import target_pass
+
+    def forward(t_state, batch):
+        return target_pass(nnx.merge(t_graph, t_state), batch, layer_ids)
+
+    return forward
+
+
+def _train_step_fn(d_graph, t_graph, train_section):
+    from dflash_jax.training.step import apply_train_step
+
+    def step(state, t_state, batch, key):
+        drafter, optimizer = nnx.merge(d_graph, state)
+        target = nnx.merge(t_graph, t_state)
+        metrics = apply_train_step(drafter, optimizer, target, batch, key, train_section)
+        return nnx.state((drafter, optimizer)), metrics
+
+    return step
+
+
+def _cpu_compiler_options(plan_only: bool, *, hoist_invariants: bool = True) -> dict:
+    """CPU compiles stand in for GPU ones, with adjustments.
+
+    Memory analysis comes from buffer assignment, before code generation, so a plan-only compile
+    skips the expensive LLVM passes (same numbers, ~1/3 less compile time).
+
+    The CPU backend runs bf16 matmuls in f32, and loop-invariant code motion then hoists an f32
+    copy of every stacked bf16 weight out of the layer loop (a [L, ...] convert: ~2x the target's
+    weights in temporaries, which no GPU compile has). ``hoist_invariants=False`` disables that
+    pass: used for the target forward, whose temporaries it would otherwise dominate. The train
+    step keeps it, because without it loop-invariant collectives stay inside loops and the
+    collective counts stop resembling a GPU compile's (its temporaries carry the distortion:
+    ~3 GiB per device for Qwen3-8B with replicated weights, see docs/mesh.md).
+    """
+    opts = {}
+    if not hoist_invariants:
+        opts["xla_disable_hlo_passes"] = "while-loop-invariant-code-motion"
+    if plan_only:
+        opts.update(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+    return opts
+
+
+def _cpu(devices) -> bool:
+    return all(d.platform == "cpu" for d in devices)
+
+
+def _memory(compiled):
+    m = compiled.memory_analysis()
+    if m is None:  # some backends do not report
+        return 0, 0, 0, 0
+    return (
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+        int(m.temp_size_in_bytes),
+    )
+
+
+def plan_layout(
+    spec: PlanSpec,
+    layout: MeshConfig,
+    devices=None,
+    *,
+    measure_steps: int = 0,
+) -> LayoutPlan:
+    """AOT-compile the target forward and the full train step for one layout; optionally time it."""
+    devices = list(devices) if devices is not None else jax.devices()
+    data, fsdp, tensor = check_layout(layout, spec, len(devices))
+    n = data * fsdp * tensor
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), devices[:n])
+    name = layout_name(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), n)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        t_graph, t_state = abstract_target(spec, mesh)
+        d_graph, d_state = abstract_drafter_and_optimizer(spec, mesh)
+        batch = abstract_batch(spec, mesh)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+
+        cpu = _cpu(devices)
+        opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
+        fwd_opts = _cpu_compiler_options(plan_only=True, hoist_invariants=False) if cpu else None
+        layer_ids = tuple(spec.drafter_config.target_layer_ids)
+        fwd = jax.jit(_target_forward_fn(t_graph, layer_ids)).lower(t_state, batch)
+        fwd = fwd.compile(compiler_options=fwd_opts)
+        step_jit = jax.jit(
+            _train_step_fn(d_graph, t_graph, spec.train_section),
+            donate_argnums=(0,),
+            out_shardings=(_shardings(d_state), None),
+        )
+        lowered = step_jit.lower(d_state, t_state, batch, key)
+        compiled = lowered.compile(compiler_options=opts)
+    compile_s = time.perf_counter() - t0
+    stats = hlo_stats.analyze(compiled.as_text())
+    args, outs, alias, temp = _memory(compiled)
+    param_bytes = per_device_bytes(_params_only(d_state))
+    plan = LayoutPlan(
+        layout=name,
+        devices=n,
+        target_param_bytes=per_device_bytes(t_state),
+        drafter_param_bytes=param_bytes,
+        optimizer_bytes=per_device_bytes(d_state) - param_bytes,
+        train_argument_bytes=args,
+        train_output_bytes=outs,
+        train_alias_bytes=alias,
+        train_temp_bytes=temp,
+        target_temp_bytes=_memory(fwd)[3],
+        flops=stats.matmul_flops,
+        collectives=stats.collectives,
+        unknown_trip_loops=stats.unknown_trip_loops,
+        compile_seconds=compile_s,
+    )
+    if measure_steps > 0:
+        plan.step_seconds = _measure(compiled, spec, mesh, t_state, d_state, measure_steps)
+        plan.tokens_per_second = spec.batch_rows * spec.seq_len / plan.step_seconds
+    return plan
+
+
+def _params_only(state):
+    """The drafter's nnx.Param leaves of a (drafter, optimizer) state (index 0 is the drafter)."""
+    return state[0]
+
+
+def _random_like(abstract, seed: int):
+    """Concrete arrays with the abstract tree's shapes, dtypes and shardings, made on device."""
+    leaves, treedef = jax.tree.flatten(abstract)
+
+    def make(keys):
+        out = []
+        for k, x in zip(keys, leaves, strict=True):
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                out.append((0.02 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype))
+            else:
+                out.append(jnp.zeros(x.shape, x.dtype))
+        return out
+
+    keys = list(jax.random.split(jax.random.key(seed), len(leaves)))
+    made = jax.jit(make, out_shardings=[x.sharding for x in leaves])(keys)
+    return jax.tree.unflatten(treedef, made)
+
+
+def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int) -> float:
+    """Median seconds per train step on the mesh's devices, random weights, packed random rows."""
+    t_real = _random_like(t_state, 0)
+    d_real = _random_like(d_state, 1)
+    R, T = spec.batch_rows, spec.seq_len
+    rng = np.random.default_rng(0)
+    doc = max(T // 4, 1)
+    seg = (np.arange(T) // doc + 1)[None].repeat(R, 0).astype(np.int32)
+    pos = (np.arange(T) % doc)[None].repeat(R, 0).astype(np.int32)
+    batch = {
+        "input_ids": rng.integers(0, spec.target_config.vocab_size, (R, T)).astype(np.int32),
+        "positions": pos,
+        "segment_ids": seg,
+        "loss_mask": (pos >= doc // 4).astype(np.int32),
+    }
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
+    times = []
+    with jax.set_mesh(mesh):
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            d_real, metrics = compiled(d_real, t_real, batch, jax.random.key(i))
+            jax.block_until_ready(metrics)
+            if i:  # the first call carries one-off transfer and allocation costs
+                times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# --------------------------------------------------------------------------------------------
+# from a run config
+# --------------------------------------------------------------------------------------------
+
+
+def target_config_for_run(cfg):
+    """The target's architecture without touching its weights: ``target.architecture`` (HF
+    config.json fields written in the run config) or the target directory's config.json."""
+    from pathlib import Path
+
+    from dflash_jax.target.config import TargetConfig
+
+    t = cfg.target
+    if t.architecture:
+        return TargetConfig.from_hf_dict(dict(t.architecture))
+    if t.path == "tiny":
+        raise LayoutError("target.path=tiny has no architecture before its tokenizer is read; plan a real config")
+    if t.path == "smollm2":
+        from dflash_jax import assets
+
+        return TargetConfig.from_pretrained(assets.smollm2_dir())
+    path = Path(t.path)
+    if not (path / "config.json").is_file():
+        raise LayoutError(
+            f"cannot plan: {path}/config.json does not exist and the config has no target.architecture"
+        )
+    return TargetConfig.from_pretrained(path)
+
+
+def spec_for_run(
+    cfg,
+    *,
+    target_config=None,
+    seq_len: int | None = None,
+    batch_rows: int | None = None,
+    max_anchors=None,
+    **train_overrides,
+):
+    """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dflash_jax.training.setup import build_drafter_config
+
+    tc = target_config or target_config_for_run(cfg)
+    if cfg.drafter.mask_token_id is None:
+        # The mask token only picks an embedding row; any valid row plans the same memory.
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=tc.vocab_size - 1))
+    dcfg = build_drafter_config(cfg, SimpleNamespace(config=tc), tokenizer=None)
+    train = cfg.train
+    if max_anchors is not None or train_overrides:
+        train = dataclasses.replace(train, **({"max_anchors": max_anchors} if max_anchors else {}), **train_overrides)
+    return PlanSpec(
+        target_config=tc,
+        drafter_config=dcfg,
+        train_section=train,
+        target_dtype=cfg.target.dtype,
+        batch_rows=batch_rows or cfg.data.batch_size,
+        seq_len=seq_len or cfg.data.max_length,
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' / '80GiB' / '80e9' -> bytes (GB = 1e9, GiB = 2**30)."""
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(float(s))
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The run's own layout needs more memory per device than its devices have."""
+
+
+def device_memory_limit(devices) -> int | None:
+    """Bytes XLA may use on one device (accelerators report it; CPU devices do not)."""
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def describe(plan: LayoutPlan, device_memory: int | None) -> str:
+    lines = [
+        f"plan for layout {plan.layout} on {plan.devices} devices (per device):",
+        f"  target params   {human_bytes(plan.target_param_bytes)}",
+        f"  drafter params  {human_bytes(plan.drafter_param_bytes)}",
+        f"  optimizer       {human_bytes(plan.optimizer_bytes)}",
+        f"  step temporaries {human_bytes(plan.train_temp_bytes)}",
+        f"  step peak       {human_bytes(plan.peak_bytes)}"
+        + (f"  (device memory {human_bytes(device_memory)})" if device_memory else "  (device memory unknown)"),
+        f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}",
+        f"  matmul TFLOP/step {plan.flops / 1e12:.2f}; collectives: {plan.collectives_summary()}",
+    ]
+    return "\n".join(lines)
+
+
+def preflight(cfg, devices, *, target_config=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
+    """Plan the run's own config and mesh before any weight is read; raise PlanDoesNotFit (with
+    the numbers) when the step's per-device peak exceeds ``device_memory`` (default: what the
+    devices report; unknown on CPU, where nothing is refused)."""
+    spec = spec_for_run(cfg, target_config=target_config)
+    p = plan_layout(spec, cfg.mesh, devices)
+    limit = device_memory if device_memory is not None else device_memory_limit(devices)
+    text = describe(p, limit)
+    if limit is not None and p.peak_bytes > limit:
+        raise PlanDoesNotFit(
+            f"{text}\nthe train step needs {human_bytes(p.peak_bytes)} per device but the devices have "
+            f"{human_bytes(limit)}: try python -m dflash_jax.mesh_experiment --config ... --layouts ... "
+            f"(other layouts, train.micro_batches, train.remat) before loading the target"
+        )
+    return p, text

@@ -1,0 +1,164 @@
+"""Target self-attention without a T x S score tensor in memory.
+
+The mask is described by three small arrays instead of a dense ``[B, T, S]`` boolean::
+
+    q_index   [B, T]  the key slot each query sits at (its causal bound)
+    q_segment [B, T]  the packed document of each query
+    kv_segment[B, S]  the packed document of each key
+
+Query t of row b sees key s iff ``s <= q_index[b, t]`` and ``kv_segment[b, s] == q_segment[b, t]``.
+Two packed documents, ``segment = [1 1 1 2 2]``, ``q_index = [0 1 2 3 4]``::
+
+    q\\k  0 1 2 3 4
+     0   x . . . .
+     1   x x . . .
+     2   x x x . .
+     3   . . . x .
+     4   . . . x x
+
+A decode step with a KV cache is the same picture shifted: ``q_index = lengths[b] + t`` and every
+key in one segment, so the stale tail of the cache (``s > q_index``) is never seen.
+
+``attend`` is a flash-style formulation: query tiles (``lax.map``) times KV tiles (a loop that
+stops at the last tile the causal bound can reach and skips tiles whose segments cannot match),
+with an online softmax in fp32. Peak memory is O(tile_q x tile_kv) scores per head instead of
+O(T x S). It is a forward-only kernel (the target is frozen: nothing differentiates through it).
+``attend_reference`` is the dense formulation, kept as the test reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+DEFAULT_Q_TILE = 512
+DEFAULT_KV_TILE = 512
+
+
+def self_attention_mask(batch: int, length: int, segment_ids=None):
+    """(q_index, q_segment, kv_segment) for causal self-attention over packed documents."""
+    idx = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
+    seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return idx, seg, seg
+
+
+def cache_attention_mask(lengths, new_tokens: int, capacity: int):
+    """(q_index, q_segment, kv_segment) for T new tokens appended at each row's cache length."""
+    batch = lengths.shape[0]
+    q_index = lengths[:, None].astype(jnp.int32) + jnp.arange(new_tokens, dtype=jnp.int32)[None]
+    return (
+        q_index,
+        jnp.zeros((batch, new_tokens), jnp.int32),
+        jnp.zeros((batch, capacity), jnp.int32),
+    )
+
+
+def attend_reference(q, k, v, q_index, q_segment, kv_segment, scale):
+    """Dense attention: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H]. Materialises [B,K,G,T,S] fp32."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    mask = (jnp.arange(S)[None, None, :] <= q_index[:, :, None]) & (
+        q_segment[:, :, None] == kv_segment[:, None, :]
+    )
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # A query that sees no key at all (never produced by the masks above) would get a uniform mix.
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def _pad_axis1(x, multiple: int, value):
+    pad = (-x.shape[1]) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def attend(
+    q,
+    k,
+    v,
+    q_index,
+    q_segment,
+    kv_segment,
+    scale,
+    *,
+    q_tile: int | None = None,
+    kv_tile: int | None = None,
+):
+    """Tiled attention with an online softmax: same contract and values as ``attend_reference``.
+
+    q [B,T,N,H], k/v [B,S,K,H] (N a multiple of K), masks as in the module docstring.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    tq = min(T, q_tile or DEFAULT_Q_TILE)  # module defaults read at call time (tests shrink them)
+    tk = min(S, kv_tile or DEFAULT_KV_TILE)
+    # Padded queries sit at index -1 (see nothing, dropped at the end); padded keys carry a
+    # segment no query has and an index past every causal bound.
+    qg = _pad_axis1(q.reshape(B, T, K, G, H), tq, 0)
+    q_index_p = _pad_axis1(q_index.astype(jnp.int32), tq, -1)
+    q_seg_p = _pad_axis1(q_segment.astype(jnp.int32), tq, jnp.iinfo(jnp.int32).min)
+    k_p = _pad_axis1(k, tk, 0)
+    v_p = _pad_axis1(v, tk, 0)
+    kv_seg_p = _pad_axis1(kv_segment.astype(jnp.int32), tk, jnp.iinfo(jnp.int32).max)
+    nq, nk = qg.shape[1] // tq, k_p.shape[1] // tk
+
+    # Per KV tile: the range of segment ids it holds (a tile is skipped when no query's segment
+    # can fall inside it).
+    kv_seg_tiles = kv_seg_p.reshape(B, nk, tk)
+    kv_seg_lo, kv_seg_hi = kv_seg_tiles.min(axis=(0, 2)), kv_seg_tiles.max(axis=(0, 2))
+
+    def one_query_tile(xs):
+        q_t, qi_t, qs_t = xs  # [B,tq,K,G,H], [B,tq], [B,tq]
+        last = jnp.max(qi_t)
+        n_needed = jnp.clip(last // tk + 1, 0, nk)  # tiles past the causal bound are never read
+        q_seg_lo, q_seg_hi = jnp.min(qs_t), jnp.max(qs_t)
+
+        def kv_step(j, carry):
+            def compute(carry):
+                m, l, acc = carry
+                k_t = jax.lax.dynamic_slice_in_dim(k_p, j * tk, tk, axis=1)
+                v_t = jax.lax.dynamic_slice_in_dim(v_p, j * tk, tk, axis=1)
+                ks_t = jax.lax.dynamic_slice_in_dim(kv_seg_p, j * tk, tk, axis=1)
+                k_idx = j * tk + jnp.arange(tk, dtype=jnp.int32)
+                visible = (k_idx[None, None, :] <= qi_t[:, :, None]) & (
+                    qs_t[:, :, None] == ks_t[:, None, :]
+                )  # [B,tq,tk]
+                s = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_t, preferred_element_type=jnp.float32)
+                s = jnp.where(visible[:, None, None], s * scale, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                l_new = l * corr + p.sum(axis=-1)
+                pv = jnp.einsum(
+                    "BKGTS,BSKH->BKGTH", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32
+                )
+                return m_new, l_new, acc * corr[..., None] + pv
+
+            overlaps = (kv_seg_hi[j] >= q_seg_lo) & (kv_seg_lo[j] <= q_seg_hi)
+            return jax.lax.cond(overlaps, compute, lambda c: c, carry)
+
+        init = (
+            jnp.full((B, K, G, tq), NEG_INF, jnp.float32),
+            jnp.zeros((B, K, G, tq), jnp.float32),
+            jnp.zeros((B, K, G, tq, H), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(0, n_needed, kv_step, init)
+        out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # a query that sees nothing -> 0
+        return jnp.einsum("BKGTH->BTKGH", out).astype(q.dtype)
+
+    tiles = (
+        jnp.moveaxis(qg.reshape(B, nq, tq, K, G, H), 1, 0),
+        jnp.moveaxis(q_index_p.reshape(B, nq, tq), 1, 0),
+        jnp.moveaxis(q_seg_p.reshape(B, nq, tq), 1, 0),
+    )
+    out = jax.lax.map(one_query_tile, tiles)  # [nq,B,tq,K,G,H]
+    out = jnp.moveaxis(out, 0, 1).reshape(B, nq * tq, N, H)
+    return out[:, :T]

@@ -1,0 +1,110 @@
+"""Every implementation of the context attention against the dense reference (kernel_test_base),
+plus the tile tables the Pallas kernels skip by, and the dispatch."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_test_base import CASES, ContextAttentionTestBase, packed_case
+
+from pallas_kernels.anchored_attention import api, context_attention
+from pallas_kernels.anchored_attention.pallas_triton import Tiles
+from pallas_kernels.anchored_attention.tiles import context_tiles, query_tiles
+
+# Tiny tiles so that the small cases span several query and context tiles (masked, unmasked, skipped).
+SMALL = Tiles(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+
+
+class TestXla(ContextAttentionTestBase):
+    IMPL = "xla"
+    OPTIONS = {"chunk": 3}
+
+
+class TestPallasInterpret(ContextAttentionTestBase):
+    IMPL = "pallas"
+    OPTIONS = {"interpret": True, "tiles": SMALL}
+
+
+class TestPallasXlaBackward(ContextAttentionTestBase):
+    """The debugging switch: Pallas forward, chunked XLA backward."""
+
+    IMPL = "pallas"
+    OPTIONS = {"interpret": True, "tiles": SMALL, "backward": "xla"}
+    ONLY_CASES = ("docs_gqa", "window")
+
+
+TABLE_CASES = [(c, 16, 16) for c in sorted(set(CASES) - {"one_by_one"})]
+TABLE_CASES += [(c, bq, bk) for c in ("docs_gqa", "long_docs") for bq, bk in ((32, 16), (16, 32))]
+
+
+@pytest.mark.parametrize("case,bq,bk", TABLE_CASES)
+def test_tile_tables_cover_every_visible_pair(case, bq, bk):
+    """[lo, hi) holds every visible (query, context) pair; [f0, f1) holds only visible ones; the
+    dk/dv transpose agrees. Checked against the dense mask."""
+    kwargs, window = CASES[case]
+    _, mask = packed_case(**kwargs)
+    B, A, S = mask.slot_positions.shape
+    T = mask.ctx_segment_ids.shape[1]
+    n_q = -(-A * S // bq)
+    n_k = -(-T // bk)
+    tables = jax.jit(
+        lambda seg, anchors, anchor_seg: query_tiles(
+            seg, anchors, anchor_seg, slots=S, block_q=bq, block_k=bk, n_q_tiles=n_q, window=window
+        )
+    )
+    qt = tables(mask.ctx_segment_ids, mask.anchors, mask.anchor_segment_ids)
+    ct = jax.jit(context_tiles, static_argnums=1)(qt, n_k)
+    vis = np.zeros((B, n_q * bq, n_k * bk), bool)
+    vis[:, : A * S, :T] = np.asarray(mask.context_visible(window)).reshape(B, A * S, T)
+    vis = vis.reshape(B, n_q, bq, n_k, bk)
+    any_vis, all_vis = vis.any(axis=(2, 4)), vis.all(axis=(2, 4))
+    j = np.arange(n_k)[None, None, :]
+    lo, f0, f1, hi = (np.asarray(x)[..., None] for x in qt)
+    visited = (lo <= j) & (j < hi)
+    unmasked = (f0 <= j) & (j < f1)
+    assert not (any_vis & ~visited).any(), "a visible tile is skipped"
+    assert not (unmasked & ~all_vis).any(), "a tile run without mask is not fully visible"
+    assert ((lo <= f0) & (f0 <= f1) & (f1 <= hi)).all()
+    i = np.arange(n_q)[None, :, None]
+    i_lo, g0, g1, i_hi = (np.asarray(x)[:, None, :] for x in ct)
+    assert not (visited & ~((i_lo <= i) & (i < i_hi))).any(), "dk/dv skips a visited tile"
+    assert not (((g0 <= i) & (i < g1)) & ~unmasked).any(), "dk/dv runs a masked tile unmasked"
+    if case == "long_docs" and bq == bk == 16:
+        assert unmasked.any(), "packed sorted anchors should give some mask-free tiles"
+        assert (~visited).any(), "packed documents should let some tiles be skipped"
+
+
+def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
+    api._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger=api.log.name):
+        assert api.resolve_impl("auto") == "xla"
+        assert api.resolve_impl("auto") == "xla"
+    assert [r.getMessage() for r in caplog.records].count(
+        "attention_impl=auto: using 'xla' on backend 'cpu'"
+    ) == 1
+    assert api.resolve_impl("pallas") == "pallas"
+    with pytest.raises(ValueError, match="flash"):
+        api.resolve_impl("flash")
+
+
+def test_pallas_defaults_to_interpret_off_gpu():
+    """impl='pallas' without options runs (in interpret mode) on CPU and equals the reference."""
+    (q, k, v), mask = packed_case(0, B=1, T=24, A=4, S=4, N=2, K=1, H=16)
+    got = jax.jit(lambda *a: context_attention(*a, impl="pallas", tiles=SMALL))(q, k, v, *mask)
+    want = context_attention(q, k, v, *mask, impl="reference")
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+
+
+def test_bad_shapes_are_named():
+    (q, k, v), mask = packed_case(0, B=1, T=24, A=4, S=4, N=2, K=1, H=16)
+    with pytest.raises(ValueError, match="anchors has shape"):
+        context_attention(q, k, v, *mask._replace(anchors=mask.anchors[:, :2]), impl="xla")
+    with pytest.raises(ValueError, match="not a multiple of kv heads"):
+        context_attention(q[..., :1, :], jnp.concatenate([k, k], 2), jnp.concatenate([v, v], 2), *mask)
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        context_attention(q, k, v, *mask, impl="pallas", tiles=Tiles(block_k=24))
+    assert jax.default_backend() == "cpu"
