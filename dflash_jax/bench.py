@@ -9,6 +9,8 @@ python -m dflash_jax.bench attention [--rows 2 --length 2048 --anchors 64 --bloc
     [A*S, T] context scores computed vs the fraction the mask lets through
 python -m dflash_jax.bench generate [--target smollm2] [--batch 32 --prompt 128 --new 128]
     KV-cache generation tokens/s
+python -m dflash_jax.bench compare {target,drafter-step,eval,attention,all} [--small]
+    ours vs the PyTorch reference side by side (``dflash_jax.bench_compare``)
 """
 
 from __future__ import annotations
@@ -292,7 +294,13 @@ def main(argv=None) -> int:
     tg.add_argument("--target", default="smollm2")
     for name, default in (("rows", 4), ("length", 384), ("repeats", 2)):
         tg.add_argument(f"--{name}", type=int, default=default)
+    from dflash_jax import bench_compare
+
+    bench_compare.add_parser(sub)
     args = p.parse_args(argv)
+    if args.what == "compare":
+        print(json.dumps(bench_compare.run_compare(args), indent=2, default=str))
+        return 0
     result = {
         "step": bench_step,
         "attention": bench_attention,

@@ -140,6 +140,8 @@ def run(
         del source
     shard_module(drafter, mesh)
     optimizer = nnx.Optimizer(drafter, make_optimizer(cfg.train), wrt=nnx.Param)
+    # Its scalar counters too: left unplaced, step 2 sees new input shardings and recompiles.
+    shard_module(optimizer, mesh)
     train_step, eval_step = make_train_step(cfg.train), make_eval_step(cfg.train)
 
     resolved = cfg.to_dict()

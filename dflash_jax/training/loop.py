@@ -142,6 +142,22 @@ def steps_that_fit(step: int, elapsed_s: float, step_time_s: float, limit_s: flo
     return step + max(0, int((limit_s - elapsed_s) / max(step_time_s, 1e-9)))
 
 
+def _follow_time_limit(
+    bar, train: TrainSection, step: int, start_step: int, t_train: float, compiled_at, now
+):
+    """With a time limit, the bar's total (and so its ETA) is the step the limit will stop at,
+    from the mean compiled step time so far, never past ``train.steps``."""
+    left = 60 * train.time_limit_minutes - (now - t_train)
+    done_since_compile = step - start_step - 1
+    if compiled_at is None or done_since_compile < 1:
+        return
+    per_step = (now - compiled_at) / done_since_compile
+    total = min(train.steps, step + max(0, math.ceil(left / per_step)))
+    if total != bar.total:
+        bar.total = total
+        bar.refresh()
+
+
 def train_loop(
     train: TrainSection,
     *,
@@ -229,6 +245,8 @@ def train_loop(
                 if on_decay_steps is not None:
                     on_decay_steps(decay_steps)
             bar.update(1)
+            if train.time_limit_minutes is not None:
+                _follow_time_limit(bar, train, step, start_step, t_train, compiled_at, clock())
             if step % train.log_every == 0 or step == train.steps or in_a_row:
                 dt = max(clock() - window_t, 1e-9)
                 last = {k: np.asarray(v) for k, v in metrics.items()}

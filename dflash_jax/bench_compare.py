@@ -1,0 +1,501 @@
+"""Side-by-side benchmarks against the PyTorch references: ``python -m dflash_jax.bench compare WHAT``.
+
+``target``: target forward (feature taps on) vs transformers; ``drafter-step``: drafter
+forward + backward + AdamW, target features given, vs the same step on z-lab's
+``DFlashDraftModel`` with a dense anchored mask; ``eval``: speculative decoding per generated
+token vs z-lab's ``dflash_generate`` on the transformers target, and plain greedy of each;
+``attention``: the anchored attention per implementation (``bench attention``'s code).
+
+Every comparison warms both sides up first (our first call, compile included, is reported
+apart), then interleaves ours / reference repetitions so machine load hits both alike, and
+reports medians and the ratio reference / ours (> 1: ours faster). The matmul peak (fp32,
+jitted) is measured in the same run, so achieved FLOP/s reads against this machine's own roof.
+Default shapes are the demo's (SmolLM2-135M, 2-layer B=16 drafter); ``--small`` uses a tiny
+random Qwen3 target for a quick run (and the tests).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _median_pair(ours, ref, repeats: int) -> dict:
+    """Interleaved repetitions of two zero-argument callables (each blocks until done)."""
+    t0 = time.perf_counter()
+    ours()
+    first = time.perf_counter() - t0
+    ref()  # reference warm-up (allocator, oneDNN primitive caches)
+    a, b = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ours()
+        a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ref()
+        b.append(time.perf_counter() - t)
+    mo, mr = statistics.median(a), statistics.median(b)
+    return {
+        "ours_s": mo,
+        "ref_s": mr,
+        "ours_first_call_s": first,
+        "compile_s_approx": max(first - mo, 0.0),
+        "ours_spread_s": [min(a), max(a)],
+        "ref_spread_s": [min(b), max(b)],
+        "ratio_ref_over_ours": mr / mo,
+    }
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5) -> dict:
+    """Measured fp32 GFLOP/s of a jitted [n,n]x[n,n] matmul and of torch's, best of ``repeats``."""
+    import torch
+
+    x = jax.random.normal(jax.random.key(0), (n, n))
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    tx = torch.randn(n, n)
+    torch.mm(tx, tx)
+    best_j = best_t = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best_j = min(best_j, time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.mm(tx, tx)
+        best_t = min(best_t, time.perf_counter() - t)
+    flops = 2 * n**3
+    return {"n": n, "jax_gflops": flops / best_j / 1e9, "torch_gflops": flops / best_t / 1e9}
+
+
+# ------------------------------------------------------------------------------------------
+# Models: the demo target (SmolLM2) or a tiny random Qwen3, loaded by both frameworks
+# ------------------------------------------------------------------------------------------
+
+
+def target_dir(small: bool) -> Path:
+    if not small:
+        from convert.smollm2 import smollm2_dir
+
+        return smollm2_dir()
+    from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.setup import make_tiny_target_dir
+
+    section = load_run_config("tiny", []).target
+    return make_tiny_target_dir(section, 512, Path(tempfile.gettempdir()) / "dflash_bench_tiny_target")
+
+
+def load_both(path: Path):
+    import torch
+    import transformers
+
+    import dflash_jax
+
+    target = dflash_jax.load_target(path, dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return target, hf
+
+
+def target_flops(cfg, tokens: int) -> float:
+    per_layer = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return 2.0 * cfg.num_layers * per_layer * tokens
+
+
+def taps_for(cfg) -> tuple[int, ...]:
+    return (1, cfg.num_layers - 3) if cfg.num_layers > 4 else (0, cfg.num_layers - 1)
+
+
+# ------------------------------------------------------------------------------------------
+# target
+# ------------------------------------------------------------------------------------------
+
+
+def compare_target(args) -> dict:
+    import torch
+    from flax import nnx
+
+    path = target_dir(args.small)
+    target, hf = load_both(path)
+    cfg = target.config
+    R, T = (2, 64) if args.small else (args.rows, args.length)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, min(cfg.vocab_size, 30000), size=(R, T)).astype(np.int32)
+    taps = taps_for(cfg)
+    fwd = nnx.jit(lambda m, x: m(x, layer_ids=taps, return_logits=False).features)
+    x = jnp.asarray(ids)
+    tx = torch.from_numpy(ids).long()
+
+    def ours():
+        fwd(target, x).block_until_ready()
+
+    def ref():
+        with torch.no_grad():  # taps = all hidden states; logits only for the last position
+            hf(tx, output_hidden_states=True, logits_to_keep=1)
+
+    out = {"target": str(path), "rows": R, "length": T, "taps": list(taps), "dtype": "float32"}
+    out.update(_median_pair(ours, ref, args.repeats))
+    flops = target_flops(cfg, R * T)
+    out["ours_gflops"] = flops / out["ours_s"] / 1e9
+    out["ref_gflops"] = flops / out["ref_s"] / 1e9
+    out["ours_tokens_per_s"] = R * T / out["ours_s"]
+    out["ref_tokens_per_s"] = R * T / out["ref_s"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# drafter-step
+# ------------------------------------------------------------------------------------------
+
+
+def _dense_anchored_mask(seg, anchors, valid, S):
+    """[R, A*S, T+A*S] bool: block j sees its own document's context before its anchor and its
+    own block (bidirectional), as in invariant 3."""
+    R, T = seg.shape
+    A = anchors.shape[1]
+    ctx = np.arange(T)[None, None, :]
+    seg_a = np.take_along_axis(seg, anchors, 1)
+    see_ctx = (seg[:, None, :] == seg_a[:, :, None]) & (ctx < anchors[:, :, None]) & valid[:, :, None]
+    blk = np.zeros((R, A, A * S), bool)
+    for j in range(A):
+        blk[:, j, j * S : (j + 1) * S] = True
+    m = np.concatenate([see_ctx, blk], axis=2)  # [R, A, T+A*S]
+    return np.repeat(m, S, axis=1)
+
+
+def compare_drafter_step(args) -> dict:
+    import optax
+    import torch
+    import torch.nn.functional as F
+    from dflash import model as dm
+    from flax import nnx
+
+    from convert.zlab_drafter import write_zlab_drafter
+    from dflash_jax.drafter.api import get_params, init_drafter
+    from dflash_jax.drafter.config import DrafterConfig
+    from dflash_jax.training.anchors import block_positions
+    from dflash_jax.training.loss import chunked_token_loss, slot_weights
+    from dflash_jax.training.step import gather_positions
+
+    path = target_dir(args.small)
+    target, hf = load_both(path)
+    cfg = target.config
+    S, L = (4, 1) if args.small else (16, 2)
+    R, T, A = (2, 64, 8) if args.small else (args.rows, args.length, args.anchors)
+    taps = taps_for(cfg)
+    dcfg = DrafterConfig.for_target(
+        cfg,
+        num_layers=L,
+        mask_token_id=cfg.vocab_size - 1,
+        block_size=S,
+        target_layer_ids=taps,
+        attention_impl="xla",
+    )
+    drafter = init_drafter(dcfg, target, 0)
+    with tempfile.TemporaryDirectory() as d:
+        write_zlab_drafter(d, dcfg, jax.device_get(get_params(drafter)), dtype="float32")
+        zmodel = dm.DFlashDraftModel.from_pretrained(d, dtype=torch.float32).train()
+
+    # One batch: one document per row, random anchors, labels = the target's argmax (given).
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, min(cfg.vocab_size - 1, 30000), size=(R, T)).astype(np.int32)
+    seg = np.ones((R, T), np.int32)
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (R, T)).copy()
+    anchors = np.sort(np.stack([rng.choice(T - S, A, replace=False) for _ in range(R)]), 1).astype(np.int32)
+    valid = np.ones((R, A), bool)
+    out_t = target(
+        jnp.asarray(ids), jnp.asarray(pos), segment_ids=jnp.asarray(seg), layer_ids=taps, return_logits=False
+    )
+    feats = out_t.features
+    lm_head = target.lm_head_weight()  # [D, V]
+    label_pos = block_positions(jnp.asarray(anchors), S, T)[..., :-1]
+    labels = jnp.argmax(gather_positions(out_t.hidden, label_pos) @ lm_head, -1).astype(
+        jnp.int32
+    )  # [R,A,S-1]
+    embeds = drafter.train_block_embeds(target, jnp.asarray(ids), jnp.asarray(anchors))  # [R,A,S,D]
+    w = np.asarray(slot_weights(S, None, "decay"))[1:]
+    weights = np.broadcast_to(w, (R, A, S - 1)).reshape(-1).astype(np.float32)
+    lr, wd, clip = 1e-3, 0.01, 1.0
+    D = cfg.hidden_size
+
+    # ours: the training step's drafter half (forward_train -> chunked CE -> clip + AdamW)
+    tx_opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd))
+    optimizer = nnx.Optimizer(drafter, tx_opt, wrt=nnx.Param)
+    jw = jnp.asarray(weights)
+    batch = [jnp.asarray(x) for x in (pos, seg, anchors, valid)]
+
+    @nnx.jit
+    def step(drafter, optimizer, feats, embeds, labels):
+        def loss_fn(m):
+            draft = m.forward_train(feats, *batch, embeds)
+            loss_i, _, _ = chunked_token_loss(
+                draft[:, :, 1:].reshape(-1, D), None, lm_head, kind="ce", chunk=512, labels=labels.reshape(-1)
+            )
+            return jnp.sum(loss_i * jw) / jnp.sum(jw)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(drafter)
+        optimizer.update(drafter, grads)
+        return loss
+
+    # reference: z-lab's model on [context ; all blocks] with the dense mask, same loss and AdamW
+    t_feats = torch.from_numpy(np.array(feats))
+    t_noise = torch.from_numpy(np.array(embeds).reshape(R, A * S, D))
+    slot_pos = anchors[:, :, None] + np.arange(S)[None, None]
+    t_pos = torch.from_numpy(np.concatenate([pos, slot_pos.reshape(R, -1)], 1)).long()
+    t_mask = torch.from_numpy(_dense_anchored_mask(seg, anchors, valid, S))[:, None]
+    t_head = torch.from_numpy(np.asarray(lm_head).T.copy())  # [V, D] frozen
+    t_labels = torch.from_numpy(np.asarray(labels).reshape(-1)).long()
+    t_w = torch.from_numpy(weights)
+    topt = torch.optim.AdamW(zmodel.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
+
+    def ref_step():
+        topt.zero_grad(set_to_none=True)
+        h = zmodel(target_hidden=t_feats, noise_embedding=t_noise, position_ids=t_pos, attention_mask=t_mask)
+        h = h.reshape(R, A, S, D)[:, :, 1:].reshape(-1, D)
+        loss_i = F.cross_entropy(h @ t_head.T, t_labels, reduction="none")
+        loss = (loss_i * t_w).sum() / t_w.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(zmodel.parameters(), clip)
+        topt.step()
+        return loss
+
+    # Same weights, batch and loss: the first losses agree (before either update).
+    l_ours = float(step(drafter, optimizer, feats, embeds, labels))
+    l_ref = float(ref_step().detach())
+
+    def ours():
+        step(drafter, optimizer, feats, embeds, labels).block_until_ready()
+
+    out = {
+        "target": str(path),
+        "rows": R,
+        "length": T,
+        "anchors": A,
+        "block": S,
+        "layers": L,
+        "first_loss_ours": l_ours,
+        "first_loss_ref": l_ref,
+    }
+    out.update(_median_pair(ours, ref_step, args.repeats))
+    slots = R * A * (S - 1)
+    d_layer = (
+        2 * D * (dcfg.num_heads + 2 * dcfg.num_kv_heads) * dcfg.head_dim + 3 * D * dcfg.intermediate_size
+    )
+    ctx_tokens = R * T
+    flops = (
+        6.0 * (L * d_layer * (slots + R * A) + D * cfg.vocab_size * slots)
+        + 6.0 * dcfg.feature_size * D * ctx_tokens
+    )
+    flops -= 2.0 * D * cfg.vocab_size * slots  # no weight gradient for the frozen lm_head
+    out["ours_gflops"] = flops / out["ours_s"] / 1e9
+    out["ref_gflops"] = flops / out["ref_s"] / 1e9
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# eval
+# ------------------------------------------------------------------------------------------
+
+
+def compare_eval(args) -> dict:
+    import torch
+    from dflash import model as dm
+
+    from convert.zlab_drafter import write_zlab_drafter
+    from dflash_jax.drafter.api import get_params, init_drafter
+    from dflash_jax.drafter.config import DrafterConfig
+    from dflash_jax.generate import generate
+    from dflash_jax.speculative import speculative_generate
+
+    path = target_dir(args.small)
+    target, hf = load_both(path)
+    cfg = target.config
+    S, L = (4, 1) if args.small else (16, 2)
+    n_prompts, new = (2, 8) if args.small else (args.prompts, args.new)
+    dcfg = DrafterConfig.for_target(
+        cfg, num_layers=L, mask_token_id=cfg.vocab_size - 1, block_size=S, target_layer_ids=taps_for(cfg)
+    )
+    drafter = init_drafter(dcfg, target, 0)
+    with tempfile.TemporaryDirectory() as d:
+        write_zlab_drafter(d, dcfg, jax.device_get(get_params(drafter)), dtype="float32")
+        zmodel = dm.DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
+    dm._cuda_time = time.perf_counter  # dflash_generate's stats clock is CUDA-only
+    rng = np.random.default_rng(0)
+    prompts = [
+        rng.integers(0, min(cfg.vocab_size - 1, 30000), size=n).tolist()
+        for n in np.linspace(24, 56, n_prompts).astype(int)
+    ]
+
+    res = {}
+
+    def ours_spec():
+        res["ours"] = speculative_generate(target, drafter, prompts, max_new_tokens=new, batch_size=1)
+
+    def ref_spec():
+        res["ref"] = [
+            dm.dflash_generate(zmodel, hf, torch.tensor(p)[None], new, None, return_stats=True)
+            for p in prompts
+        ]
+
+    def ours_greedy():
+        generate(target, prompts, max_new_tokens=new, batch_size=1)
+
+    def ref_greedy():
+        with torch.no_grad():
+            for p in prompts:
+                hf.generate(torch.tensor(p)[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    tokens = n_prompts * new
+    spec = _median_pair(ours_spec, ref_spec, args.repeats)
+    greedy = _median_pair(ours_greedy, ref_greedy, args.repeats)
+    same = all(
+        o.output_ids == r.output_ids[0, len(p) :].tolist()
+        for o, r, p in zip(res["ours"], res["ref"], prompts, strict=True)
+    )
+    out = {
+        "target": str(path),
+        "prompts": n_prompts,
+        "new_tokens": new,
+        "block": S,
+        "layers": L,
+        "batch": 1,
+        "same_tokens_as_zlab": same,
+        "tau_ours": float(np.mean([np.mean(o.acceptance_lengths) for o in res["ours"]])),
+    }
+    for name, r in (("spec", spec), ("greedy", greedy)):
+        out[name] = {
+            **r,
+            "ours_ms_per_token": 1e3 * r["ours_s"] / tokens,
+            "ref_ms_per_token": 1e3 * r["ref_s"] / tokens,
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------
+
+
+def compare_attention(args) -> dict:
+    """``bench attention`` (one implementation each), with each ratio against ``reference``."""
+    import argparse
+
+    from dflash_jax.bench import bench_attention
+
+    shape = (
+        dict(rows=2, length=128, anchors=8, block=4, heads=4, kv_heads=2, head_dim=16)
+        if args.small
+        else dict(rows=2, length=1024, anchors=64, block=16, heads=9, kv_heads=3, head_dim=64)
+    )
+    ns = argparse.Namespace(**shape, repeats=args.repeats, impls=args.impls, docs=4, dtype="float32")
+    out = bench_attention(ns)
+    ref = out.get("reference", {}).get("fwd_bwd_ms")
+    for impl in args.impls:
+        r = out.get(impl, {})
+        if ref and "fwd_bwd_ms" in r:
+            r["ratio_reference_over_impl"] = ref / r["fwd_bwd_ms"]
+    return out
+
+
+COMPARES = {
+    "target": compare_target,
+    "drafter-step": compare_drafter_step,
+    "eval": compare_eval,
+    "attention": compare_attention,
+}
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("compare", help="ours vs the PyTorch reference, side by side")
+    c.add_argument("which", choices=[*COMPARES, "all"])
+    c.add_argument("--small", action="store_true", help="tiny random target: a quick run")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--rows", type=int, default=2)
+    c.add_argument("--length", type=int, default=384)
+    c.add_argument("--anchors", type=int, default=64)
+    c.add_argument("--prompts", type=int, default=3)
+    c.add_argument("--new", type=int, default=32)
+    c.add_argument("--impls", nargs="+", default=["reference", "xla", "pallas"])
+    c.add_argument("--markdown", default=None, help="also write the tables to this file")
+
+
+def run_compare(args) -> dict:
+    which = list(COMPARES) if args.which == "all" else [args.which]
+    out = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
+            "backend": jax.default_backend(),
+            "jax": jax.__version__,
+        },
+        "matmul_peak": matmul_peak(),
+    }
+    for w in which:
+        t = time.perf_counter()
+        out[w] = COMPARES[w](args)
+        out[w]["wall_s"] = time.perf_counter() - t
+    out["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(out, args))
+    return out
+
+
+def markdown(out: dict, args) -> str:
+    m, peak = out["machine"], out["matmul_peak"]
+    cmd = f"python -m dflash_jax.bench compare {args.which}" + (" --small" if args.small else "")
+    lines = [
+        f"Command: `{cmd} --repeats {args.repeats}`; {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
+        f"at start / {m['load_avg_1m_end']:.1f} at end; jax {m['jax']} ({m['backend']}); fp32 matmul peak "
+        f"measured in the run: jax {peak['jax_gflops']:.0f} GFLOP/s, torch {peak['torch_gflops']:.0f} GFLOP/s. "
+        "Medians of interleaved repetitions; ratio = reference time / ours (> 1: ours faster).",
+        "",
+        "| comparison | shape | ours | reference | ratio | ours GFLOP/s (% of peak) | our first call (compile) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    pk = peak["jax_gflops"]
+    if "target" in out:
+        r = out["target"]
+        lines.append(
+            f"| target fwd vs transformers | {r['rows']}x{r['length']} tok, taps {r['taps']} | "
+            f"{r['ours_s'] * 1e3:.0f} ms | {r['ref_s'] * 1e3:.0f} ms | {r['ratio_ref_over_ours']:.2f} | "
+            f"{r['ours_gflops']:.0f} ({100 * r['ours_gflops'] / pk:.0f}%) | {r['ours_first_call_s']:.1f} s |"
+        )
+    if "drafter-step" in out:
+        r = out["drafter-step"]
+        lines.append(
+            f"| drafter step vs z-lab DFlashDraftModel + AdamW | {r['rows']}x{r['length']}, {r['anchors']} anchors, "
+            f"B={r['block']}, {r['layers']} layers | {r['ours_s'] * 1e3:.0f} ms | {r['ref_s'] * 1e3:.0f} ms | "
+            f"{r['ratio_ref_over_ours']:.2f} | {r['ours_gflops']:.0f} ({100 * r['ours_gflops'] / pk:.0f}%) | "
+            f"{r['ours_first_call_s']:.1f} s |"
+        )
+    if "eval" in out:
+        r = out["eval"]
+        for name, label in (
+            ("spec", "speculative vs z-lab dflash_generate"),
+            ("greedy", "plain greedy vs HF generate"),
+        ):
+            x = r[name]
+            lines.append(
+                f"| {label} (per token) | {r['prompts']} prompts x {r['new_tokens']} new, batch 1, tau "
+                f"{r['tau_ours']:.2f} | {x['ours_ms_per_token']:.1f} ms | {x['ref_ms_per_token']:.1f} ms | "
+                f"{x['ratio_ref_over_ours']:.2f} | — | {x['ours_first_call_s']:.1f} s |"
+            )
+    if "attention" in out:
+        r = out["attention"]
+        sh = r["shape"]
+        ref = r.get("reference", {}).get("fwd_bwd_ms")
+        for impl in args.impls:
+            x = r.get(impl, {})
+            val = f"{x['fwd_bwd_ms']:.0f} ms" if "fwd_bwd_ms" in x else f"not run: {x.get('error', '?')[:60]}"
+            ratio = f"{x['ratio_reference_over_impl']:.2f}" if "ratio_reference_over_impl" in x else "—"
+            lines.append(
+                f"| attention fwd+bwd: {impl} vs reference | {sh['rows']}x{sh['length']}, {sh['anchors']}x{sh['block']} | "
+                f"{val} | {ref:.0f} ms | {ratio} | — | — |"
+            )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,59 @@
+"""``python -m dflash_jax.bench compare ... --small``: every comparison runs ours and the PyTorch
+reference and reports finite, positive medians and ratios (timings are not asserted)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("dflash.model")
+
+
+def finite(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow  # minutes of compiles on 2 cores; a benchmark smoke test
+def test_compare_all_small(tmp_path, capsys):
+    from dflash_jax.bench import main
+
+    md = tmp_path / "compare.md"
+    assert (
+        main(
+            [
+                "compare",
+                "all",
+                "--small",
+                "--repeats",
+                "1",
+                "--impls",
+                "reference",
+                "xla",
+                "--markdown",
+                str(md),
+            ]
+        )
+        == 0
+    )
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert finite(out["matmul_peak"]["jax_gflops"]) and finite(out["matmul_peak"]["torch_gflops"])
+    for key in ("target", "drafter-step"):
+        r = out[key]
+        assert finite(r["ours_s"]) and finite(r["ref_s"]) and finite(r["ratio_ref_over_ours"]), key
+        assert finite(r["ours_gflops"]), key
+    # Same weights, batch, anchors and loss on both sides: the loss before the first update agrees.
+    r = out["drafter-step"]
+    assert abs(r["first_loss_ours"] - r["first_loss_ref"]) < 1e-4 * abs(r["first_loss_ref"])
+    e = out["eval"]
+    assert e["same_tokens_as_zlab"] is True
+    for name in ("spec", "greedy"):
+        assert finite(e[name]["ours_ms_per_token"]) and finite(e[name]["ratio_ref_over_ours"])
+    a = out["attention"]
+    assert finite(a["xla"]["ratio_reference_over_impl"])
+    text = md.read_text()
+    assert "target fwd vs transformers" in text and "speculative vs z-lab" in text
+    assert text.count("\n| ") >= 6  # header + target + step + 2 eval + 2 attention rows
