@@ -12,6 +12,7 @@ Used by ``python -m dflash_jax.mesh_experiment`` (many layouts) and ``python -m 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class LayoutPlan:
     def peak_bytes(self) -> int:
         """Per-device peak of the train step: live arguments + outputs not aliased + temporaries."""
         return (
-            self.train_argument_bytes + self.train_output_bytes - self.train_alias_bytes + self.train_temp_bytes
+            self.train_argument_bytes
+            + self.train_output_bytes
+            - self.train_alias_bytes
+            + self.train_temp_bytes
         )
 
     @property
@@ -385,7 +389,9 @@ def target_config_for_run(cfg):
     if t.architecture:
         return TargetConfig.from_hf_dict(dict(t.architecture))
     if t.path == "tiny":
-        raise LayoutError("target.path=tiny has no architecture before its tokenizer is read; plan a real config")
+        raise LayoutError(
+            "target.path=tiny has no architecture before its tokenizer is read; plan a real config"
+        )
     if t.path == "smollm2":
         from dflash_jax import assets
 
@@ -416,11 +422,15 @@ def spec_for_run(
     tc = target_config or target_config_for_run(cfg)
     if cfg.drafter.mask_token_id is None:
         # The mask token only picks an embedding row; any valid row plans the same memory.
-        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=tc.vocab_size - 1))
+        cfg = dataclasses.replace(
+            cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=tc.vocab_size - 1)
+        )
     dcfg = build_drafter_config(cfg, SimpleNamespace(config=tc), tokenizer=None)
     train = cfg.train
     if max_anchors is not None or train_overrides:
-        train = dataclasses.replace(train, **({"max_anchors": max_anchors} if max_anchors else {}), **train_overrides)
+        train = dataclasses.replace(
+            train, **({"max_anchors": max_anchors} if max_anchors else {}), **train_overrides
+        )
     return PlanSpec(
         target_config=tc,
         drafter_config=dcfg,
@@ -434,7 +444,17 @@ def spec_for_run(
 def parse_bytes(text: str) -> int:
     """'80GB' / '80GiB' / '80e9' -> bytes (GB = 1e9, GiB = 2**30)."""
     s = str(text).strip().upper().replace(" ", "")
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    units = {
+        "TIB": 2**40,
+        "GIB": 2**30,
+        "MIB": 2**20,
+        "KIB": 2**10,
+        "TB": 10**12,
+        "GB": 10**9,
+        "MB": 10**6,
+        "KB": 10**3,
+        "B": 1,
+    }
     for unit, mult in units.items():
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * mult)
@@ -466,14 +486,20 @@ def describe(plan: LayoutPlan, device_memory: int | None) -> str:
         f"  optimizer       {human_bytes(plan.optimizer_bytes)}",
         f"  step temporaries {human_bytes(plan.train_temp_bytes)}",
         f"  step peak       {human_bytes(plan.peak_bytes)}"
-        + (f"  (device memory {human_bytes(device_memory)})" if device_memory else "  (device memory unknown)"),
+        + (
+            f"  (device memory {human_bytes(device_memory)})"
+            if device_memory
+            else "  (device memory unknown)"
+        ),
         f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}",
         f"  matmul TFLOP/step {plan.flops / 1e12:.2f}; collectives: {plan.collectives_summary()}",
     ]
     return "\n".join(lines)
 
 
-def preflight(cfg, devices, *, target_config=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
+def preflight(
+    cfg, devices, *, target_config=None, device_memory: int | None = None
+) -> tuple[LayoutPlan, str]:
     """Plan the run's own config and mesh before any weight is read; raise PlanDoesNotFit (with
     the numbers) when the step's per-device peak exceeds ``device_memory`` (default: what the
     devices report; unknown on CPU, where nothing is refused)."""
@@ -488,3 +514,19 @@ def preflight(cfg, devices, *, target_config=None, device_memory: int | None = N
             f"(other layouts, train.micro_batches, train.remat) before loading the target"
         )
     return p, text
+
+
+def check_run_fits(cfg, target_dir, mesh, device_memory: int | None = None, *, quiet=False):
+    """Pre-flight: AOT-compile this run's step on abstract weights and refuse a run that cannot fit,
+    before the target is loaded. Runs when the devices report their memory (accelerators) or when
+    ``device_memory`` is given; CPU runs without it skip the compile."""
+    from dflash_jax.target.config import TargetConfig
+
+    devices = list(mesh.devices.flat)
+    if device_memory is None and device_memory_limit(devices) is None:
+        return None
+    arch = TargetConfig.from_pretrained(target_dir) if not cfg.target.architecture else None
+    p, text = preflight(cfg, devices, target_config=arch, device_memory=device_memory)
+    if not quiet:
+        logging.getLogger("dflash_jax.train").info("pre-flight memory plan:\n%s", text)
+    return p

@@ -32,33 +32,6 @@ from dflash_jax.training.run_config import RunConfig, load_run_config
 log = logging.getLogger("dflash_jax.train")
 
 
-class NullLogger:
-    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
-
-    def log(self, step, metrics, prefix="train"):
-        pass
-
-    def close(self):
-        pass
-
-
-def check_plan(cfg: RunConfig, target_dir, mesh, device_memory: int | None = None, *, quiet=False):
-    """Pre-flight: AOT-compile this run's step on abstract weights and refuse a run that cannot fit,
-    before the target is loaded. Runs when the devices report their memory (accelerators) or when
-    ``device_memory`` is given; CPU runs without it skip the compile."""
-    from dflash_jax import plan
-    from dflash_jax.target.config import TargetConfig
-
-    devices = list(mesh.devices.flat)
-    if device_memory is None and plan.device_memory_limit(devices) is None:
-        return None
-    arch = TargetConfig.from_pretrained(target_dir) if not cfg.target.architecture else None
-    p, text = plan.preflight(cfg, devices, target_config=arch, device_memory=device_memory)
-    if not quiet:
-        log.info("pre-flight memory plan:\n%s", text)
-    return p
-
-
 def run(
     cfg: RunConfig,
     *,
@@ -71,7 +44,7 @@ def run(
 ) -> dict:
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
-    ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``check_plan``).
+    ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``plan.check_run_fits``).
     ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
     a later ``resume=True`` run continues the same schedule. Before any model is built the data
     sources are found, the output dir is checked (one run per dir: ``overwrite`` replaces an old
@@ -80,6 +53,7 @@ def run(
     from transformers import AutoTokenizer
 
     import dflash_jax
+    from dflash_jax import plan
     from dflash_jax.checkpoint import Checkpointer, read_checkpoint_config
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
@@ -87,7 +61,7 @@ def run(
     from dflash_jax.training import evaluation, setup
     from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.loop import train_loop
-    from dflash_jax.training.metrics import MetricLogger, plot_metrics
+    from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
     from dflash_jax.training.regen_cache import data_configs, regenerated_data
     from dflash_jax.training.step import make_eval_step, make_optimizer, make_train_step
 
@@ -116,7 +90,7 @@ def run(
             setup.resolve_target(cfg, run_dir)
         distributed.barrier("resolve_target")
     target_dir, tok_dir = setup.resolve_target(cfg, run_dir)
-    check_plan(cfg, target_dir, mesh, device_memory, quiet=quiet)
+    plan.check_run_fits(cfg, target_dir, mesh, device_memory, quiet=quiet)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype, mesh=mesh)
     tc = target.config

@@ -376,7 +376,27 @@ def test_time_budget_sets_the_schedule_length():
     def train_step(drafter, optimizer, target, batch, key, lr):
         clock.t += 30.0 if not rates else 2.0
         rates.append(float(lr))
-        return {"loss": jnp.float32(1.0), "tokens": jnp.int32(10), "streak": jnp.float32(1.0)}
+        return {
+            "loss": jnp.float32(1.0),
+            "tokens": jnp.int32(10),
+            "streak": jnp.float32(1.0),
+            "skipped": jnp.int32(0),
+            "grad_norm": jnp.float32(1.0),
+        }
+
+    class Batches:  # the loop's data iterator interface: next() plus a checkpointable state
+        def __init__(self):
+            self.i = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.i += 1
+            return self.i
+
+        def get_state(self):
+            return {"i": self.i}
 
     class Logger:
         def log(self, step, metrics):
@@ -390,9 +410,9 @@ def test_time_budget_sets_the_schedule_length():
         drafter=None,
         optimizer=None,
         target=None,
-        data_iter=iter(range(10**6)),
+        data_iter=Batches(),
         put=lambda b: b,
-        save=lambda step, force: None,
+        save=lambda step, force, data_state: None,
         logger=Logger(),
         quiet=True,
         on_decay_steps=told.append,

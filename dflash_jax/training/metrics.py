@@ -87,3 +87,13 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+class NullLogger:
+    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
+
+    def log(self, step, metrics, prefix="train"):
+        pass
+
+    def close(self):
+        pass

@@ -65,9 +65,9 @@ class DrafterSection:
 
     def __post_init__(self):
         check_fields(self)
-        if self.num_layers < 1:
+        if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-        if self.block_size < 2:
+        if self.block_size is not None and self.block_size < 2:
             raise ValueError(
                 f"drafter.block_size must be >= 2 (slot 0 plus a speculated token), got {self.block_size}"
             )
