@@ -287,9 +287,9 @@ def test_sigterm_while_waiting_for_data_exits_143_after_its_checkpoint(tmp_path,
     import os
     import signal
 
-    from dflash_jax.data import pipeline as pl
+    from dflash_jax.data import shards
 
-    real = pl.make_train_iterator
+    real = shards.ShardedBatchIterator
     stalled = threading.Event()
 
     class Stalling:
@@ -309,7 +309,7 @@ def test_sigterm_while_waiting_for_data_exits_143_after_its_checkpoint(tmp_path,
         def __getattr__(self, name):
             return getattr(self.it, name)
 
-    monkeypatch.setattr(pl, "make_train_iterator", lambda *a, **k: Stalling(real(*a, **k)))
+    monkeypatch.setattr(shards, "ShardedBatchIterator", lambda *a, **k: Stalling(real(*a, **k)))
 
     def kill_when_stalled():
         stalled.wait(600)
