@@ -299,6 +299,7 @@ def main(argv=None) -> int:
     bench_compare.add_parser(sub)
     args = p.parse_args(argv)
     if args.what == "compare":
+        args.bench_attention = bench_attention
         print(json.dumps(bench_compare.run_compare(args), indent=2, default=str))
         return 0
     result = {

@@ -383,11 +383,12 @@ def compare_eval(args) -> dict:
 
 
 def compare_attention(args) -> dict:
-    """``bench attention`` (one implementation each), with each ratio against ``reference``."""
+    """``bench attention`` (one implementation each), with each ratio against ``reference``.
+    ``args.bench_attention`` is that function, handed over by ``dflash_jax.bench`` (the CLI that
+    imports this module), so the two modules do not import each other."""
     import argparse
 
-    from dflash_jax.bench import bench_attention
-
+    bench_attention = args.bench_attention
     shape = (
         dict(rows=2, length=128, anchors=8, block=4, heads=4, kv_heads=2, head_dim=16)
         if args.small
