@@ -18,6 +18,7 @@ COMMON=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128 eval.
         train.steps=$STEPS train.time_limit_minutes=null train.seed=0 data.seed=0)
 train() {  # name repo extra-overrides...
   local name=$1 repo=$2; shift 2
+  [ -f "$OUT/$name-zlab/config.json" ] && return 0  # done by an earlier run of this script
   (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo \
       output_dir="$OUT/$name" "${COMMON[@]}" "$@") > "$OUT/$name.log" 2>&1
   (cd "$repo" && PYTHONPATH=$repo "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" \
@@ -58,17 +59,17 @@ cd "$NEW"
 PYTHONPATH=$NEW "$PY" - "$OUT/prompts.jsonl" "${COMMON[@]}" <<'PYEOF'
 import json, sys
 from transformers import AutoTokenizer
-from dflash_jax import assets
+from convert.smollm2 import smollm2_dir
 from dflash_jax.training.evaluation import heldout_prompt_ids
 from dflash_jax.training.run_config import load_run_config
 cfg = load_run_config("demo", [a for a in sys.argv[2:] if a.split("=")[0].split(".")[0] in ("data", "eval")])
-ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(assets.smollm2_dir()))
+ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(smollm2_dir()))
 assert len(ids) == cfg.eval.num_prompts, len(ids)
 with open(sys.argv[1], "w") as f:
     f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
 PYEOF
 for name in a b c; do
-  PYTHONPATH=$NEW "$PY" -m dflash_jax.eval --target "$(PYTHONPATH=$NEW "$PY" -c 'from dflash_jax import assets; print(assets.smollm2_dir())')" \
+  PYTHONPATH=$NEW "$PY" -m dflash_jax.eval --target "$(PYTHONPATH=$NEW "$PY" -c 'from convert.smollm2 import smollm2_dir; print(smollm2_dir())')" \
       --drafter "$OUT/$name-zlab" --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --batch-size 32 \
       --no-baseline --no-warmup --json "$OUT/$name-eval.json" > "$OUT/$name-eval.log" 2>&1
 done

@@ -48,12 +48,6 @@ def test_resume_is_exact(tmp_path):
     assert [la[s] for s in range(1, 7)] == [lb[s] for s in range(1, 7)]
 
 
-@pytest.mark.skip(
-    reason="known regression: the full train step on data=2 x tensor=4 (8 simulated CPU devices) deadlocks "
-    "in an XLA collective rendezvous (devices 4-7 in an all-reduce, the rest in a collective-permute) and "
-    "aborts the process; data 2 x fsdp 2 x tensor 2 (test_multiprocess) and the 1-vs-8-device loss tests pass. "
-    "Not bisected yet; see the closing note of this session"
-)
 def test_eight_devices_data_tensor_layout_matches_one_device(tmp_path):
     common = ["train.steps=4", "train.warmup_steps=1"]
     one = run(tiny(tmp_path / "one", *common, "mesh.num_devices=1", "mesh.data=1"), quiet=True)

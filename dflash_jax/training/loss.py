@@ -26,6 +26,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.sharding import constrain
+
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -191,7 +193,10 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     """Sum of all of ``x`` as a fixed tree of elementwise adds: the same fp32 result on any mesh
     layout (a plain ``jnp.sum`` of ~1e3 loss terms differs by ~5e-6 relative between one device
     and a sharded batch, and its one-device sequential order is the less accurate one)."""
-    x = x.reshape(-1).astype(jnp.float32)
+    # Replicated first: slicing a batch-sharded array log2(n) times makes XLA's SPMD partitioner
+    # emit collective-permutes that deadlock on some layouts (data 2 x tensor 4 on CPU); the
+    # terms are few (rows x anchors x slots), so every device sums all of them itself.
+    x = constrain(x.reshape(-1).astype(jnp.float32), (None,))
     n = 1 << max(0, (x.size - 1).bit_length())
     x = jnp.pad(x, (0, n - x.size))
     while x.size > 1:
