@@ -124,6 +124,8 @@ def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> 
         ("fsdp", fsdp, "hidden_size", t.hidden_size),
         ("data*fsdp", data * fsdp, "batch rows", spec.batch_rows),
     ]
+    if t.is_hybrid:  # Gated DeltaNet: z gate, beta, decay and out_proj are split by value head
+        checks.insert(3, ("tensor", tensor, "linear_num_value_heads (target)", t.linear_num_value_heads))
     for axis, size, dim, value in checks:
         if size > 1 and value % size:
             raise LayoutError(
@@ -168,10 +170,10 @@ def per_device_bytes(abstract_state) -> int:
 
 
 def abstract_target(spec: PlanSpec, mesh: Mesh):
-    from dflash_jax.target.model import TargetModel
+    from dflash_jax.target.hybrid import build_target_model  # dense or hybrid, by model_type
 
     model = nnx.eval_shape(
-        lambda: TargetModel(spec.target_config, dtype=jnp.dtype(spec.target_dtype), rngs=nnx.Rngs(0))
+        lambda: build_target_model(spec.target_config, dtype=jnp.dtype(spec.target_dtype), rngs=nnx.Rngs(0))
     )
     graphdef, state = nnx.split(model)
     return graphdef, _abstract_with_shardings(state, mesh)

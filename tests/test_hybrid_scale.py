@@ -4,9 +4,6 @@ numbers, the run config builds the published drafter, and the hybrid target buil
 
 from __future__ import annotations
 
-import json
-from importlib import resources
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,8 +17,7 @@ from dflash_jax.training.run_config import load_run_config
 
 
 def qwen36_27b() -> TargetConfig:
-    text = resources.files("dflash_jax.configs").joinpath("qwen3.6-27b.target.json").read_text()
-    return TargetConfig.from_hf_dict(json.loads(text))
+    return TargetConfig.from_hf_dict(dict(load_run_config("qwen3.6-27b").target.architecture))
 
 
 def test_config_and_drafter_as_published():
@@ -70,3 +66,39 @@ def test_real_size_builds_sharded_and_lowers():
         lowered = jax.jit(forward).lower(abstract_state, ids)
     hidden, feats = lowered.out_info
     assert hidden.shape == (2, 256, 5120) and feats.shape == (2, 256, 5 * 5120)
+
+
+def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
+    """mesh_experiment on the qwen3.6-27b run config with a tiny hybrid architecture: the planner
+    builds the hybrid target (its replicated bytes equal transformers' Qwen3.5 parameter count in
+    bf16), compiles the train step for two layouts, and rejects a tensor size that does not divide
+    the DeltaNet value heads, naming them."""
+    import csv
+    import json
+
+    import transformers
+
+    from dflash_jax.mesh_experiment import main as mesh_experiment_main
+    from hybrid_fixtures import TINY_HYBRID
+
+    arch = {**TINY_HYBRID, "num_attention_heads": 8, "num_key_value_heads": 4, "linear_num_value_heads": 6}
+    out = tmp_path / "mx"
+    rc = mesh_experiment_main(
+        [
+            "--config", "qwen3.6-27b", "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8",
+            "--layouts", "data=8", "fsdp=4,tensor=2", "tensor=4", "--out", str(out),
+            "target.architecture=" + json.dumps({"model_type": "qwen3_5_text", **arch}),
+            "drafter.num_layers=1", "drafter.mask_token_id=500", "drafter.target_layer_ids=null",
+            "drafter.layer_types=null", "drafter.sliding_window=null", "train.loss_chunk=64",
+        ]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "tensor=4 does not divide linear_num_value_heads (target)=6" in text
+    rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**arch))
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert int(rows["data=8"]["target_param_bytes"]) == 2 * n_hf  # bfloat16, replicated
+    sharded = rows["fsdp=4,tensor=2"]
+    assert int(sharded["target_param_bytes"]) < int(rows["data=8"]["target_param_bytes"]) / 4
+    assert int(sharded["train_temp_bytes"]) > 0 and float(sharded["flops"]) > 0

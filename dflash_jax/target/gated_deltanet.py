@@ -8,8 +8,12 @@ The recurrence per value head (state S [Dk, Dv], fp32), for each token t:
     o_t = S^T q_t / sqrt(Dk)
 
 The chunked form (``chunk_gated_delta_rule``) computes the same thing with matmuls inside chunks of
-C tokens and one ``lax.scan`` over the T/C chunks (the WY/UT form: a unit-lower-triangular solve per
-chunk turns the C sequential writes into matrix products), so its cost is linear in T.
+C tokens and one ``lax.scan`` over the T/C chunks (the WY/UT form: the inverse of a unit lower
+triangular matrix per chunk turns the C sequential writes into matrix products), so its cost is
+linear in T. That inverse is built from matmuls by blocks (``unit_lower_inverse``), not with
+``lax.linalg.triangular_solve``: on CPU the latter is a LAPACK call that parallelises over the batch
+on XLA's intra-op thread pool and deadlocks when several devices run it at once (8 simulated
+devices: every pool thread waits for work queued behind it).
 
 Packed rows: with ``segment_ids`` the state restarts (from zero) at every document boundary, and
 no conv tap reads across one. Masked tokens (``beta = 0`` and ``g = 0``) leave the state unchanged,
@@ -77,6 +81,31 @@ def _resets(segment_ids: jax.Array | None, B: int, T: int) -> jax.Array:
     return segment_ids != prev
 
 
+def unit_lower_inverse(M: jax.Array) -> jax.Array:
+    """Inverse of unit lower triangular matrices M [..., n, n] with matmuls only.
+
+    By 2x2 blocks: inv([[A, 0], [C, D]]) = [[inv(A), 0], [-inv(D) C inv(A), inv(D)]], recursing
+    on A and D together (stacked), log2(n) levels; n is padded to a power of two with identity."""
+    n = M.shape[-1]
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        pad = [(0, 0)] * (M.ndim - 2) + [(0, size - n)] * 2
+        M = jnp.pad(M, pad) + jnp.diag((jnp.arange(size) >= n).astype(M.dtype))
+    return _unit_lower_inverse_pow2(M)[..., :n, :n]
+
+
+def _unit_lower_inverse_pow2(M: jax.Array) -> jax.Array:
+    n = M.shape[-1]
+    if n == 1:
+        return jnp.ones_like(M)
+    h = n // 2
+    diag = _unit_lower_inverse_pow2(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+    inv_a, inv_d = diag[..., 0, :, :], diag[..., 1, :, :]
+    lower = -jnp.einsum("...ij,...jk,...kl->...il", inv_d, M[..., h:, :h], inv_a)
+    top = jnp.concatenate([inv_a, jnp.zeros_like(inv_a)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([lower, inv_d], axis=-1)], axis=-2)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None):
     """The per-token reference: one ``lax.scan`` step per token (tests and small T only).
 
@@ -105,7 +134,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_
 def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=None, segment_ids=None):
     """The chunked parallel form (same arguments and results as ``recurrent_gated_delta_rule``).
 
-    Within a chunk everything is a matmul (plus one unit-lower-triangular solve); the state is carried
+    Within a chunk everything is a matmul (including the triangular inverse); the state is carried
     across chunks by a ``lax.scan``. T need not be a multiple of ``chunk_size`` (padding tokens have
     beta = g = 0, so they leave the state alone)."""
     B, T, Hv, Dv = v.shape
@@ -142,10 +171,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=Non
     M = jnp.moveaxis(A, -1, 2) + jnp.eye(C, dtype=f32)  # [B,N,H,C,C], unit lower triangular
     rhs_u = jnp.moveaxis(v32 * b32[..., None], 3, 2)  # [B,N,H,C,Dv]
     rhs_w = jnp.moveaxis(k * (b32 * jnp.exp(gamma))[..., None], 3, 2)  # [B,N,H,C,Dk]
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        M, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
-    U, Wk = solve(rhs_u), solve(rhs_w)
+    M_inv = unit_lower_inverse(M)
+    U = jnp.einsum("BNHIJ,BNHJV->BNHIV", M_inv, rhs_u)
+    Wk = jnp.einsum("BNHIJ,BNHJK->BNHIK", M_inv, rhs_w)
 
     # Tokens before the chunk's first document boundary continue the carried state; later ones
     # (and their W rows) start from zero.
