@@ -152,7 +152,9 @@ def test_chunked_form_runs_on_eight_devices_without_lapack():
     mesh = make_mesh(MeshConfig(data=8))
     rep = NamedSharding(mesh, PartitionSpec())
     args = [jax.device_put(a, rep) for a in inputs(100)]
-    fn = jax.jit(lambda q, k, v, g, b, s0: chunk_gated_delta_rule(q, k, v, g, b, chunk_size=32, initial_state=s0))
+    fn = jax.jit(
+        lambda q, k, v, g, b, s0: chunk_gated_delta_rule(q, k, v, g, b, chunk_size=32, initial_state=s0)
+    )
     assert "custom-call" not in fn.lower(*args).compile().as_text()
     o, s = fn(*args)
     o_ref, s_ref = jax.jit(recurrent_gated_delta_rule)(*inputs(100)[:5], initial_state=inputs(100)[5])

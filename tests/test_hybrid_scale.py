@@ -23,7 +23,12 @@ def qwen36_27b() -> TargetConfig:
 def test_config_and_drafter_as_published():
     c = qwen36_27b()
     assert (c.num_layers, c.hidden_size, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        64, 5120, 248320, 24, 4, 256,
+        64,
+        5120,
+        248320,
+        24,
+        4,
+        256,
     )
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) + c.layer_types[4:]
     assert len(c.full_attention_layers) == 16 and c.full_attention_layers[-1] == 63
@@ -31,8 +36,13 @@ def test_config_and_drafter_as_published():
     run = load_run_config("qwen3.6-27b")
     d = run.drafter
     cfg = DrafterConfig.for_target(
-        c, num_layers=d.num_layers, mask_token_id=c.vocab_size - 1, block_size=d.block_size,
-        target_layer_ids=d.target_layer_ids, layer_types=d.layer_types, sliding_window=d.sliding_window,
+        c,
+        num_layers=d.num_layers,
+        mask_token_id=c.vocab_size - 1,
+        block_size=d.block_size,
+        target_layer_ids=d.target_layer_ids,
+        layer_types=d.layer_types,
+        sliding_window=d.sliding_window,
     )
     assert cfg.target_layer_ids == (1, 16, 31, 46, 61) and cfg.block_size == 16
     assert cfg.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and cfg.sliding_window == 2048
@@ -54,7 +64,9 @@ def test_real_size_builds_sharded_and_lowers():
     assert shardings["attn"]["q"].spec == PartitionSpec(None, "fsdp", "tensor", None)
     abstract_state = jax.tree.map(
         lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-        state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable),
+        state,
+        shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     ids = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 

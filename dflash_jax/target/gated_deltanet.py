@@ -115,7 +115,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_
     Dk = k.shape[-1]
     q = _expand_heads(q, Hv).astype(jnp.float32) * Dk**-0.5
     k = _expand_heads(k, Hv).astype(jnp.float32)
-    S0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    S0 = (
+        jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
     reset = _resets(segment_ids, B, T)
 
     def step(S, xs):

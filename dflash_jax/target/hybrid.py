@@ -44,7 +44,7 @@ from flax import nnx
 
 from dflash_jax.layers import apply_rope, param, rope_cos_sin, swiglu_mlp
 from dflash_jax.sharding import constrain
-from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
+from dflash_jax.target.attention import attend
 from dflash_jax.target.config import FULL_ATTENTION, TargetConfig
 from dflash_jax.target.gated_deltanet import (
     causal_conv,
@@ -52,7 +52,7 @@ from dflash_jax.target.gated_deltanet import (
     conv_window_at,
     l2_normalize,
 )
-from dflash_jax.target.model import TargetModel, TargetOutput, _write_rows
+from dflash_jax.target.model import TargetModel, TargetOutput, cached_kv
 
 DEFAULT_CHUNK = 64
 
@@ -325,12 +325,7 @@ class HybridTargetModel(TargetModel):
         k = rms_norm_1p(k, p["k_norm"], c.rms_norm_eps)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "act_heads", None))
-        new_kv = None
-        if kv is not None:
-            k_all = _write_rows(kv[0], k.astype(kv[0].dtype), lengths)
-            v_all = _write_rows(kv[1], v.astype(kv[1].dtype), lengths)
-            new_kv = (k_all, v_all)
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        k, v, new_kv = cached_kv(kv, k, v, lengths)
         attn = attend(q, k, v, *masks, H**-0.5)
         attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return jnp.einsum("BTNH,NHD->BTD", attn, p["o"]), new_kv
@@ -388,24 +383,9 @@ class HybridTargetModel(TargetModel):
         """As ``TargetModel.__call__``. With a cache the returned cache holds lengths + T tokens
         per row and can be cropped back (``with_lengths``) or committed (``commit``)."""
         c = self.config
-        layer_ids = tuple(int(i) for i in layer_ids)
-        for i in layer_ids:
-            if not 0 <= i < c.num_layers:
-                raise ValueError(f"layer_ids: {i} is outside [0, {c.num_layers}) for this target")
+        taps, positions, x, mask = self._begin(input_ids, positions, layer_ids, segment_ids, cache)
         B, T = input_ids.shape
-        if cache is not None and segment_ids is not None:
-            raise ValueError("segment_ids cannot be combined with a cache")
-        if positions is None:
-            base = cache.lengths[:, None] if cache is not None else jnp.zeros((B, 1), jnp.int32)
-            positions = base + jnp.arange(T, dtype=jnp.int32)[None]
-
-        x = self.embed(input_ids).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "act_embed"))
         cos, sin = rope_cos_sin(positions, c.rope, c.rotary_dim)
-        if cache is None:
-            mask = self_attention_mask(B, T, segment_ids)
-        else:
-            mask = cache_attention_mask(cache.lengths, T, cache.capacity)
 
         # One scan step per period of layer_types, its layers unrolled with static kinds.
         P = layer_period(c.layer_types)
@@ -415,11 +395,8 @@ class HybridTargetModel(TargetModel):
         n_gdn = P - n_attn
         per_period = lambda tree, n: jax.tree.map(lambda a: a.reshape(G, n, *a.shape[1:]), tree)
 
-        unique = tuple(sorted(set(layer_ids)))
-        slot_of_layer = jnp.array(
-            [unique.index(i) if i in unique else len(unique) for i in range(c.num_layers)], jnp.int32
-        ).reshape(G, P)
-        feats0 = jnp.zeros((len(unique) + 1, B, T, c.hidden_size), self.dtype)
+        slot_of_layer = taps.slots(c.num_layers).reshape(G, P)
+        feats0 = taps.buffer(B, T, c.hidden_size, self.dtype)
 
         def period(carry, xs):
             h, feats = carry
@@ -464,11 +441,6 @@ class HybridTargetModel(TargetModel):
         (h, feats), (kv_out, conv_out) = jax.lax.scan(period, (x, feats0), xs)
 
         hidden = rms_norm_1p(h, self.norm[...], c.rms_norm_eps)
-        if layer_ids:
-            features = jnp.concatenate([feats[unique.index(i)] for i in layer_ids], axis=-1)
-        else:
-            features = jnp.zeros((B, T, 0), self.dtype)
-        logits = self.logits(hidden) if return_logits else None
         new_cache = None
         if cache is not None:
             flat = lambda a: a.reshape(G * a.shape[1], *a.shape[2:])  # [G, n, ...] -> [G*n, ...]
@@ -494,7 +466,7 @@ class HybridTargetModel(TargetModel):
                 num_key_heads=c.linear_num_key_heads,
                 chunk_size=self.chunk_size,
             )
-        return TargetOutput(logits=logits, hidden=hidden, features=features, cache=new_cache)
+        return self._output(hidden, taps.features(feats), new_cache, return_logits)
 
 
 def build_target_model(config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):

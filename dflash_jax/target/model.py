@@ -130,6 +130,51 @@ def _write_rows(buf, new, starts):
     return jax.vmap(one)(buf, new, starts)
 
 
+def cached_kv(kv, k, v, lengths):
+    """Write this forward's k, v [B,T,K,H] into one layer's cache buffers ``kv`` = (k_buf, v_buf)
+    [B,S,K,H] at each row's length; -> (keys, values over the whole buffer, new (k_buf, v_buf)).
+    Without a cache (kv None) the keys and values are this forward's own."""
+    if kv is None:
+        return k, v, None
+    k_all = _write_rows(kv[0], k.astype(kv[0].dtype), lengths)
+    v_all = _write_rows(kv[1], v.astype(kv[1].dtype), lengths)
+    return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
+
+
+@dataclass(frozen=True)
+class LayerTaps:
+    """Where the raw outputs of the requested layers go during the layer scan.
+
+    The unique tapped layers each own one row of a [U+1, B, T, D] buffer (row U is a discard
+    slot for untapped layers), so the scan writes every layer output with one dynamic update."""
+
+    layer_ids: tuple[int, ...]
+    unique: tuple[int, ...]
+
+    @classmethod
+    def for_layers(cls, layer_ids, num_layers: int) -> LayerTaps:
+        layer_ids = tuple(int(i) for i in layer_ids)
+        for i in layer_ids:
+            if not 0 <= i < num_layers:
+                raise ValueError(f"layer_ids: {i} is outside [0, {num_layers}) for this target")
+        return cls(layer_ids, tuple(sorted(set(layer_ids))))
+
+    def slots(self, num_layers: int) -> jax.Array:
+        """[L] int32: the buffer row of each layer's output."""
+        u = self.unique
+        return jnp.array([u.index(i) if i in u else len(u) for i in range(num_layers)], jnp.int32)
+
+    def buffer(self, B: int, T: int, D: int, dtype) -> jax.Array:
+        return jnp.zeros((len(self.unique) + 1, B, T, D), dtype)
+
+    def features(self, feats: jax.Array) -> jax.Array:
+        """[B, T, len(layer_ids) * D]: the tapped outputs concatenated in layer_ids order."""
+        if not self.layer_ids:
+            _, B, T, _ = feats.shape
+            return jnp.zeros((B, T, 0), feats.dtype)
+        return jnp.concatenate([feats[self.unique.index(i)] for i in self.layer_ids], axis=-1)
+
+
 class TargetModel(nnx.Module):
     """Frozen decoder-only LLM. Call: ``target(input_ids, positions=None, *, layer_ids=())``."""
 
@@ -188,32 +233,11 @@ class TargetModel(nnx.Module):
         cache prefix plus themselves (causally). The returned cache has lengths += T.
         """
         c = self.config
-        layer_ids = tuple(int(i) for i in layer_ids)
-        for i in layer_ids:
-            if not 0 <= i < c.num_layers:
-                raise ValueError(f"layer_ids: {i} is outside [0, {c.num_layers}) for this target")
+        taps, positions, x, mask = self._begin(input_ids, positions, layer_ids, segment_ids, cache)
         B, T = input_ids.shape
-        if positions is None:
-            base = cache.lengths[:, None] if cache is not None else jnp.zeros((B, 1), jnp.int32)
-            positions = base + jnp.arange(T, dtype=jnp.int32)[None]
-
-        x = self.embed(input_ids).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "act_embed"))
         cos, sin = rope_cos_sin(positions, c.rope, c.head_dim)
-
-        if cache is None:
-            q_index, q_seg, kv_seg = self_attention_mask(B, T, segment_ids)
-        else:
-            if segment_ids is not None:
-                raise ValueError("segment_ids cannot be combined with a KV cache")
-            q_index, q_seg, kv_seg = cache_attention_mask(cache.lengths, T, cache.capacity)
-
-        # Unique tapped layers, each written once into a buffer row; row U is a discard slot.
-        unique = tuple(sorted(set(layer_ids)))
-        slot_of_layer = jnp.array(
-            [unique.index(i) if i in unique else len(unique) for i in range(c.num_layers)], jnp.int32
-        )
-        feats0 = jnp.zeros((len(unique) + 1, B, T, c.hidden_size), self.dtype)
+        slot_of_layer = taps.slots(c.num_layers)
+        feats0 = taps.buffer(B, T, c.hidden_size, self.dtype)
         scale = c.head_dim**-0.5
 
         def layer(carry, xs):
@@ -230,14 +254,8 @@ class TargetModel(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q = constrain(q, ("batch", "length", "act_heads", None))
-            if kv is not None:
-                k_all = _write_rows(kv[0], k.astype(kv[0].dtype), cache.lengths)
-                v_all = _write_rows(kv[1], v.astype(kv[1].dtype), cache.lengths)
-                new_kv = (k_all, v_all)
-                k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-            else:
-                new_kv = None
-            attn = attend(q, k, v, q_index, q_seg, kv_seg, scale)
+            k, v, new_kv = cached_kv(kv, k, v, None if cache is None else cache.lengths)
+            attn = attend(q, k, v, *mask, scale)
             out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
             if c.o_proj_bias:
                 out = out + p["o_bias"]
@@ -260,12 +278,30 @@ class TargetModel(nnx.Module):
         (h, feats), new_kv = jax.lax.scan(layer, (x, feats0), (self.layers.stacked(), slot_of_layer, kv_xs))
 
         hidden = rms_norm(h, self.norm[...], c.rms_norm_eps)
-        if layer_ids:
-            features = jnp.concatenate([feats[unique.index(i)] for i in layer_ids], axis=-1)
+        new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.lengths + T)
+        return self._output(hidden, taps.features(feats), new_cache, return_logits)
+
+    # ---- plumbing shared with the hybrid target (target/hybrid.py) ------------------------------
+
+    def _begin(self, input_ids, positions, layer_ids, segment_ids, cache):
+        """Checks and the start of every forward -> (LayerTaps, positions [B,T], embedded input
+        [B,T,D], attention mask pieces for ``attention.attend``). Positions default to 0..T-1, or
+        continue each row's cache length."""
+        taps = LayerTaps.for_layers(layer_ids, self.config.num_layers)
+        B, T = input_ids.shape
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids cannot be combined with a cache")
+        if positions is None:
+            base = cache.lengths[:, None] if cache is not None else jnp.zeros((B, 1), jnp.int32)
+            positions = base + jnp.arange(T, dtype=jnp.int32)[None]
+        x = self.embed(input_ids).astype(self.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        if cache is None:
+            mask = self_attention_mask(B, T, segment_ids)
         else:
-            features = jnp.zeros((B, T, 0), self.dtype)
+            mask = cache_attention_mask(cache.lengths, T, cache.capacity)
+        return taps, positions, x, mask
+
+    def _output(self, hidden, features, cache, return_logits: bool) -> TargetOutput:
         logits = self.logits(hidden) if return_logits else None
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(new_kv[0], new_kv[1], cache.lengths + T)
-        return TargetOutput(logits=logits, hidden=hidden, features=features, cache=new_cache)
+        return TargetOutput(logits=logits, hidden=hidden, features=features, cache=cache)
