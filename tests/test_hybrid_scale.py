@@ -82,35 +82,41 @@ def test_real_size_builds_sharded_and_lowers():
 
 def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     """mesh_experiment on the qwen3.6-27b run config with a tiny hybrid architecture: the planner
-    builds the hybrid target (its replicated bytes equal transformers' Qwen3.5 parameter count in
-    bf16), compiles the train step for two layouts, and rejects a tensor size that does not divide
-    the DeltaNet value heads, naming them."""
+    builds the hybrid target (replicated, its bytes equal transformers' Qwen3.5 parameter count in
+    bf16), compiles the train step for a sharded layout, and rejects a tensor size that does not
+    divide the DeltaNet value heads, naming them."""
     import csv
     import json
 
     import transformers
-
-    from dflash_jax.mesh_experiment import main as mesh_experiment_main
     from hybrid_fixtures import TINY_HYBRID
 
+    from dflash_jax import plan
+    from dflash_jax.mesh_experiment import main as mesh_experiment_main
+
     arch = {**TINY_HYBRID, "num_attention_heads": 8, "num_key_value_heads": 4, "linear_num_value_heads": 6}
+    overrides = [
+        "target.architecture=" + json.dumps({"model_type": "qwen3_5_text", **arch}),
+        "drafter.num_layers=1", "drafter.mask_token_id=500", "drafter.target_layer_ids=null",
+        "drafter.layer_types=null", "drafter.sliding_window=null", "train.loss_chunk=64",
+    ]  # fmt: skip
+    spec = plan.spec_for_run(load_run_config("qwen3.6-27b", overrides), seq_len=128, batch_rows=8)
+    _, t_state = plan.abstract_target(spec, make_mesh(MeshConfig(data=8)))
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**arch))
+    replicated = plan.per_device_bytes(t_state)
+    assert replicated == 2 * sum(p.numel() for p in hf.parameters())  # bfloat16
+
     out = tmp_path / "mx"
     rc = mesh_experiment_main(
         [
             "--config", "qwen3.6-27b", "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8",
-            "--layouts", "data=8", "fsdp=4,tensor=2", "tensor=4", "--out", str(out),
-            "target.architecture=" + json.dumps({"model_type": "qwen3_5_text", **arch}),
-            "drafter.num_layers=1", "drafter.mask_token_id=500", "drafter.target_layer_ids=null",
-            "drafter.layer_types=null", "drafter.sliding_window=null", "train.loss_chunk=64",
+            "--layouts", "fsdp=4,tensor=2", "tensor=4", "--out", str(out), *overrides,
         ]
     )  # fmt: skip
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "tensor=4 does not divide linear_num_value_heads (target)=6" in text
     rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
-    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**arch))
-    n_hf = sum(p.numel() for p in hf.parameters())
-    assert int(rows["data=8"]["target_param_bytes"]) == 2 * n_hf  # bfloat16, replicated
     sharded = rows["fsdp=4,tensor=2"]
-    assert int(sharded["target_param_bytes"]) < int(rows["data=8"]["target_param_bytes"]) / 4
+    assert int(sharded["target_param_bytes"]) < replicated / 4
     assert int(sharded["train_temp_bytes"]) > 0 and float(sharded["flops"]) > 0
