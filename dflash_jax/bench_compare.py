@@ -441,9 +441,9 @@ def run_compare(args) -> dict:
         t = time.perf_counter()
         out[w] = COMPARES[w](args)
         out[w]["wall_s"] = time.perf_counter() - t
-    out["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(out, args))
+        out["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+        if args.markdown:  # after every comparison: a long `all` run that dies keeps what it measured
+            Path(args.markdown).write_text(markdown(out, args))
     return out
 
 
