@@ -36,6 +36,8 @@ class KeyRule:
     kind: str = "copy"  # "linear" | "vector" | "copy" | "conv"
     in_dims: int = 1  # linear only: how many leading dims of ours are the input side
     layers: tuple[int, ...] | None = None  # HF layer index of each row (None: 0..num_layers-1)
+    # Our order of the HF tensor's first (output) axis: ours[j] = hf[rows[j]] (None: the same).
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -73,6 +75,8 @@ def hf_shape(rule: KeyRule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def to_ours(rule: KeyRule, hf_array: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
+    if rule.rows is not None:
+        hf_array = hf_array[np.asarray(rule.rows)]
     if rule.kind == "linear":
         return np.ascontiguousarray(hf_array.T).reshape(our_shape)
     return hf_array.reshape(our_shape)
@@ -81,8 +85,14 @@ def to_ours(rule: KeyRule, hf_array: np.ndarray, our_shape: tuple[int, ...]) -> 
 def to_hf(rule: KeyRule, ours: np.ndarray) -> np.ndarray:
     shape = hf_shape(rule, ours.shape)
     if rule.kind == "linear":
-        return np.ascontiguousarray(ours.reshape(shape[::-1]).T)
-    return ours.reshape(shape)
+        out = np.ascontiguousarray(ours.reshape(shape[::-1]).T)
+    else:
+        out = ours.reshape(shape)
+    if rule.rows is not None:
+        hf = np.empty_like(out)
+        hf[np.asarray(rule.rows)] = out
+        out = hf
+    return out
 
 
 def _names(keys, limit: int = 20) -> str:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from convert.safetensors_io import CheckpointReader
 from dflash_jax.sharding import named_sharding, put_global
-from dflash_jax.target.config import TargetConfig
+from dflash_jax.target.config import TargetConfig, qkv_channel_order
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
     if not config.tie_word_embeddings:
         rules.append(KeyRule("lm_head", "lm_head.weight", "linear"))
     A, G = L + "self_attn.", L + "linear_attn."
+    qkv = qkv_channel_order(config) if lin else None  # q|k|v channels grouped by key head
     rules += [
         KeyRule("attn.q", A + "q_proj.weight", "linear", layers=full),  # per head [query ; gate]
         KeyRule("attn.k", A + "k_proj.weight", "linear", layers=full),
@@ -68,11 +69,11 @@ def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
         KeyRule("attn.o", A + "o_proj.weight", "linear", in_dims=2, layers=full),
         KeyRule("attn.q_norm", A + "q_norm.weight", "vector", layers=full),
         KeyRule("attn.k_norm", A + "k_norm.weight", "vector", layers=full),
-        KeyRule("gdn.in_qkv", G + "in_proj_qkv.weight", "linear", layers=lin),
+        KeyRule("gdn.in_qkv", G + "in_proj_qkv.weight", "linear", layers=lin, rows=qkv),
         KeyRule("gdn.in_z", G + "in_proj_z.weight", "linear", layers=lin),
         KeyRule("gdn.in_b", G + "in_proj_b.weight", "linear", layers=lin),
         KeyRule("gdn.in_a", G + "in_proj_a.weight", "linear", layers=lin),
-        KeyRule("gdn.conv", G + "conv1d.weight", "conv", layers=lin),
+        KeyRule("gdn.conv", G + "conv1d.weight", "conv", layers=lin, rows=qkv),
         KeyRule("gdn.dt_bias", G + "dt_bias", "vector", layers=lin),
         KeyRule("gdn.A_log", G + "A_log", "vector", layers=lin),
         KeyRule("gdn.norm", G + "norm.weight", "vector", layers=lin),

@@ -124,8 +124,8 @@ def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> 
         ("fsdp", fsdp, "hidden_size", t.hidden_size),
         ("data*fsdp", data * fsdp, "batch rows", spec.batch_rows),
     ]
-    if t.is_hybrid:  # Gated DeltaNet: z gate, beta, decay and out_proj are split by value head
-        checks.insert(3, ("tensor", tensor, "linear_num_value_heads (target)", t.linear_num_value_heads))
+    if t.is_hybrid:  # Gated DeltaNet: q|k|v channels split by key head (value heads follow)
+        checks.insert(3, ("tensor", tensor, "linear_num_key_heads (target)", t.linear_num_key_heads))
     for axis, size, dim, value in checks:
         if size > 1 and value % size:
             raise LayoutError(

@@ -60,7 +60,8 @@ def test_real_size_builds_sharded_and_lowers():
         state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
-    assert shardings["gdn"]["in_qkv"].spec == PartitionSpec(None, "fsdp", None)
+    assert shardings["gdn"]["in_qkv"].spec == PartitionSpec(None, "fsdp", "tensor")  # q|k|v by key head
+    assert shardings["gdn"]["conv"].spec == PartitionSpec(None, "tensor", None)
     assert shardings["attn"]["q"].spec == PartitionSpec(None, "fsdp", "tensor", None)
     abstract_state = jax.tree.map(
         lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
@@ -84,7 +85,7 @@ def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     """mesh_experiment on the qwen3.6-27b run config with a tiny hybrid architecture: the planner
     builds the hybrid target (replicated, its bytes equal transformers' Qwen3.5 parameter count in
     bf16), compiles the train step for a sharded layout, and rejects a tensor size that does not
-    divide the DeltaNet value heads, naming them."""
+    divide the DeltaNet key heads (its q|k|v channels are split by key head), naming them."""
     import csv
     import json
 
@@ -115,8 +116,37 @@ def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     )  # fmt: skip
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert "tensor=4 does not divide linear_num_value_heads (target)=6" in text
+    assert "tensor=4 does not divide linear_num_key_heads (target)=2" in text
     rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
     sharded = rows["fsdp=4,tensor=2"]
     assert int(sharded["target_param_bytes"]) < replicated / 4
     assert int(sharded["train_temp_bytes"]) > 0 and float(sharded["flops"]) > 0
+
+
+def test_tensor_parallel_deltanet_equals_one_device():
+    """A tiny hybrid on fsdp=4 x tensor=2 (the q|k|v conv channels split by key head with z, beta,
+    decay and out_proj) gives the one-device forward's features, hidden states and logits, on
+    packed rows."""
+    import numpy as np
+    from hybrid_fixtures import TINY_HYBRID
+
+    from dflash_jax.sharding import shard_module
+
+    c = TargetConfig.from_hf_dict({"model_type": "qwen3_5_text", **TINY_HYBRID})
+    model = HybridTargetModel(c, rngs=nnx.Rngs(3), chunk_size=16)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, c.vocab_size, (8, 80)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 50 + [2] * 30], 8, axis=0), jnp.int32)
+    pos = jnp.asarray(np.repeat([list(range(50)) + list(range(30))], 8, axis=0), jnp.int32)
+    taps = (0, 2, 5)
+    run = lambda m: jax.jit(lambda m, i, p, s: m(i, p, layer_ids=taps, segment_ids=s))(m, ids, pos, seg)
+    ref = run(model)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    with jax.set_mesh(mesh):
+        sharded = shard_module(model, mesh)
+        assert sharded.gdn.in_qkv[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+        got = run(sharded)
+    for name in ("features", "hidden", "logits"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)), atol=1e-5, rtol=1e-5, err_msg=name
+        )

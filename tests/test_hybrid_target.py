@@ -154,3 +154,16 @@ def test_config_json_roundtrip():
     assert c.rotary_dim == 8 and c.rope.theta == 1e7
     with pytest.raises(ValueError, match="qwen3_next"):
         TargetConfig.from_hf_dict({"model_type": "qwen3_next"})
+
+
+def test_export_gives_back_the_hf_tensors(tmp_path_factory):
+    """Load then export (``convert.hf_target.export_target_state``) returns every HF tensor of the
+    text checkpoint unchanged: the fused q|k|v channels we regroup by key head go back in HF order."""
+    from convert.hf_target import export_target_state
+
+    path, hf_model = checkpoint("text", tmp_path_factory)
+    exported = export_target_state(dflash_jax.load_target(path))
+    reference = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    assert set(exported) == set(reference)
+    for key, value in reference.items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)

@@ -299,3 +299,21 @@ def _reject_unsupported_features(hf: dict, model_type: str) -> None:
         raise ValueError(
             f"config.json: quantized checkpoints are not supported ({quant.get('quant_method')})"
         )
+
+
+def qkv_channel_order(c: TargetConfig) -> tuple[int, ...]:
+    """Our conv channel j holds HF's channel order[j].
+
+    HF fuses the DeltaNet q | k | v channels head by head within each part (all q heads, then all
+    k heads, then all v heads). We group them by key head instead: [q_h ; k_h ; v of the value
+    heads h*r .. h*r+r-1] for h = 0 .. Hk-1 (r = Hv / Hk), so splitting the channels evenly over
+    the ``tensor`` axis gives each device whole groups, consistent with the head-split z, beta,
+    decay and out_proj (the depthwise conv acts per channel, so any order computes the same)."""
+    Hk, Dk, Dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads // Hk
+    order = []
+    for h in range(Hk):
+        order += range(h * Dk, (h + 1) * Dk)  # q
+        order += range(Hk * Dk + h * Dk, Hk * Dk + (h + 1) * Dk)  # k
+        order += range(2 * Hk * Dk + h * r * Dv, 2 * Hk * Dk + (h + 1) * r * Dv)  # v
+    return tuple(order)

@@ -94,13 +94,22 @@ def conv_channels(c: TargetConfig) -> int:
     )
 
 
+def split_qkv(qkv: jax.Array, c: TargetConfig):
+    """[B,T,C] conv outputs in our grouped order -> q, k [B,T,Hk,Dk], v [B,T,Hv,Dv]."""
+    B, T, _ = qkv.shape
+    Hk, Dk = c.linear_num_key_heads, c.linear_key_head_dim
+    g = qkv.reshape(B, T, Hk, -1)
+    v = g[..., 2 * Dk :].reshape(B, T, c.linear_num_value_heads, c.linear_value_head_dim)
+    return g[..., :Dk], g[..., Dk : 2 * Dk], v
+
+
 def hybrid_param_specs(c: TargetConfig) -> dict[str, dict[str, tuple[tuple[int, ...], tuple, str]]]:
     """group -> name -> (per-layer shape, logical axes, init). Groups: layers (every layer),
     attn (full-attention layers), gdn (linear-attention layers)."""
     D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     Hv, Dv = c.linear_num_value_heads, c.linear_value_head_dim
-    # The fused q|k|v conv channels stay unsharded (their split points need not fall on shard
-    # boundaries); the model dim is FSDP-sharded as everywhere.
+    # The fused q|k|v conv channels are stored grouped by key head (qkv_channel_order), so they
+    # split over ``tensor`` along the heads like z, beta, decay and out_proj.
     return {
         "layers": {
             "input_norm": ((D,), ("norm",), "zeros"),
@@ -118,11 +127,11 @@ def hybrid_param_specs(c: TargetConfig) -> dict[str, dict[str, tuple[tuple[int, 
             "k_norm": ((H,), ("head_dim",), "zeros"),
         },
         "gdn": {
-            "in_qkv": ((D, conv_channels(c)), ("embed", None), "normal"),
+            "in_qkv": ((D, conv_channels(c)), ("embed", "heads"), "normal"),
             "in_z": ((D, Hv, Dv), ("embed", "heads", "head_dim"), "normal"),
             "in_b": ((D, Hv), ("embed", "heads"), "normal"),
             "in_a": ((D, Hv), ("embed", "heads"), "normal"),
-            "conv": ((conv_channels(c), c.linear_conv_kernel_dim), (None, None), "normal"),
+            "conv": ((conv_channels(c), c.linear_conv_kernel_dim), ("heads", None), "normal"),
             "dt_bias": ((Hv,), ("norm",), "ones"),
             "A_log": ((Hv,), ("norm",), "zeros"),
             "norm": ((Dv,), ("head_dim",), "ones"),
@@ -229,12 +238,10 @@ class HybridCache:
             conv0, state0, x, g, beta, w = args
             window = conv_window_at(conv0, x, n)
             qkv = causal_conv(x, conv0, w)
-            Hk, Hv = self.num_key_heads, state0.shape[1]
-            Dk, Dv = state0.shape[2], state0.shape[3]
-            B = x.shape[0]
-            k = qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
-            v = qkv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
-            k = l2_normalize(k)
+            B, Hv, Dk, Dv = x.shape[0], state0.shape[1], state0.shape[2], state0.shape[3]
+            g_qkv = qkv.reshape(B, T, self.num_key_heads, -1)  # grouped by key head
+            k = l2_normalize(g_qkv[..., Dk : 2 * Dk])
+            v = g_qkv[..., 2 * Dk :].reshape(B, T, Hv, Dv)
             _, state = chunk_gated_delta_rule(
                 k,  # the query only shapes outputs we do not use
                 k,
@@ -334,12 +341,6 @@ class HybridTargetModel(TargetModel):
         """-> (output [B,T,D], (window after, state after, rollback data) | None)."""
         c = self.config
         B, T, _ = y.shape
-        Hk, Hv, Dk, Dv = (
-            c.linear_num_key_heads,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-        )
         x = jnp.einsum("BTD,DC->BTC", y, p["in_qkv"])
         z = jnp.einsum("BTD,DHV->BTHV", y, p["in_z"])
         b = jnp.einsum("BTD,DH->BTH", y, p["in_b"])
@@ -350,9 +351,8 @@ class HybridTargetModel(TargetModel):
         else:
             window, state0 = conv_state
         qkv = causal_conv(x, window, p["conv"], segment_ids)
-        q = l2_normalize(qkv[..., : Hk * Dk].reshape(B, T, Hk, Dk))
-        k = l2_normalize(qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk))
-        v = qkv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
+        q, k, v = split_qkv(qkv, c)
+        q, k = l2_normalize(q), l2_normalize(k)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
