@@ -58,7 +58,7 @@ def run(
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
     from dflash_jax.drafter.api import init_drafter
-    from dflash_jax.training import evaluation, setup
+    from dflash_jax.training import evaluation, feature_cache, setup
     from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
@@ -131,14 +131,24 @@ def run(
         meta = ckpt.restore(drafter, optimizer, mesh=mesh)
         start_step, data_state = int(meta["step"]), meta.get("data_state")
         log.info("resumed from step %d", start_step)
-    # This process's logical data shards (data/shards.py): batches independent of the process count.
-    data_iter = ShardedBatchIterator(
-        data_cfg,
-        tokenizer,
-        num_shards=resolve_num_shards(cfg.data.shards, jax.process_count(), data_state),
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
+    if cfg.data.features:  # stored target outputs instead of the target (training/feature_cache.py)
+        data_iter = feature_cache.open_for_run(
+            cfg,
+            data_cfg,
+            target_dir,
+            tokenizer,
+            dcfg.target_layer_ids,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+    else:  # this process's logical data shards (data/shards.py): batches independent of the process count
+        data_iter = ShardedBatchIterator(
+            data_cfg,
+            tokenizer,
+            num_shards=resolve_num_shards(cfg.data.shards, jax.process_count(), data_state),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
     if data_state is not None:
         data_iter.set_state(data_state)
 
