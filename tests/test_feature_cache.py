@@ -55,6 +55,19 @@ def test_cache_training_equals_online(cache, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_kl_cache_training_equals_online(tmp_path):
+    """train.loss=kl stores the final normed hidden state; the loss from it equals online (1e-5)."""
+    kl = ["train.loss=kl"]
+    build(tiny(tmp_path / "build", *kl), tmp_path / "cache", quiet=True)
+    assert FeatureCache(tmp_path / "cache").names[-1] == "hidden"
+    run(tiny(tmp_path / "online", *kl), quiet=True)
+    run(tiny(tmp_path / "cached", *kl, f"data.features={tmp_path / 'cache'}"), quiet=True)
+    lo, lc = losses(tmp_path / "online"), losses(tmp_path / "cached")
+    assert sorted(lo) == sorted(lc) == [1, 2, 3]
+    np.testing.assert_allclose([lc[s] for s in lc], [lo[s] for s in lo], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_cache_run_resumes_exactly(cache, tmp_path):
     """Stop + resume from the cache (its position is in the checkpoint) equals the straight run."""
     path, _ = cache
