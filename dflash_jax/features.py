@@ -58,7 +58,9 @@ def build(
 
     t0 = time.perf_counter()
     if jax.process_count() > 1:
-        raise ConfigError("python -m dflash_jax.features runs on one process (its mesh may span that host's devices)")
+        raise ConfigError(
+            "python -m dflash_jax.features runs on one process (its mesh may span that host's devices)"
+        )
     if cfg.data.features:
         log.info("data.features=%s is ignored while building a cache", cfg.data.features)
     setup.check_data_sources(cfg)
@@ -92,7 +94,9 @@ def build(
     def target_outputs(target, batch):
         features, hidden = target_pass(target, batch, taps)
         if kind == "ce":  # the same argmax the step takes online (training/step.py block_loss)
-            labels = target_argmax(hidden, target.lm_head_weight(), chunk=loss_chunk, compute_dtype=label_dtype)
+            labels = target_argmax(
+                hidden, target.lm_head_weight(), chunk=loss_chunk, compute_dtype=label_dtype
+            )
             return {"features": features, "labels": labels}
         return {"features": features, "hidden": hidden}
 
@@ -107,7 +111,7 @@ def build(
                 record = {k: np.asarray(batch[k], np.int32) for k in feature_cache.ROW_ARRAYS}
                 for name, value in outputs.items():
                     value = np.asarray(value)
-                    computed[name] = feature_cache._dtype_name(value.dtype)
+                    computed[name] = feature_cache.dtype_name(value.dtype)
                     if stored is not None and name != "labels":
                         value = value.astype(stored)
                     record[name] = value
@@ -148,26 +152,41 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m dflash_jax.features", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--config", default="demo", help=f"a YAML path or a shipped config: {', '.join(shipped_configs())} (default: demo)"
+        "--config",
+        default="demo",
+        help=f"a YAML path or a shipped config: {', '.join(shipped_configs())} (default: demo)",
     )
-    p.add_argument("--out", required=True, help="the cache directory to write (written to a temporary sibling, then renamed)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the cache directory to write (written to a temporary sibling, then renamed)",
+    )
     p.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
         default=None,
         help="stored dtype of the features (default: the dtype the target computes them in, exact)",
     )
-    p.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard file (rounded up to whole batches)")
+    p.add_argument(
+        "--rows-per-shard", type=int, default=256, help="rows per shard file (rounded up to whole batches)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing cache at --out")
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of the run config, e.g. data.max_records=100")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value overrides of the run config, e.g. data.max_records=100"
+    )
     args = p.parse_args(argv)
     if args.rows_per_shard < 1:
         p.error("--rows-per-shard must be >= 1")
     distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
     manifest = build(
-        cfg, args.out, dtype=args.dtype, rows_per_shard=args.rows_per_shard, overwrite=args.overwrite, quiet=args.quiet
+        cfg,
+        args.out,
+        dtype=args.dtype,
+        rows_per_shard=args.rows_per_shard,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
     )
     print(f"wrote {manifest['rows']} rows to {Path(args.out).expanduser().resolve()}")
     return 0

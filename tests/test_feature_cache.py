@@ -12,12 +12,25 @@ import pytest
 from dflash_jax.features import build
 from dflash_jax.train import run
 from dflash_jax.training import feature_cache, step
-from dflash_jax.training.feature_cache import CachedBatchIterator, CacheWriter, FeatureCache, FeatureCacheError
+from dflash_jax.training.feature_cache import (
+    CachedBatchIterator,
+    CacheWriter,
+    FeatureCache,
+    FeatureCacheError,
+)
 from dflash_jax.training.run_config import load_run_config
 
 # 40 records of ShareGPT pack into 3 batches of 8 rows: one epoch, so online and cached rows agree
 # to the last batch.
-SMALL = ["mesh.num_devices=1", "mesh.data=1", "train.log_every=1", "data.max_records=40", "data.num_epochs=1", "train.steps=3", "train.warmup_steps=1"]
+SMALL = [
+    "mesh.num_devices=1",
+    "mesh.data=1",
+    "train.log_every=1",
+    "data.max_records=40",
+    "data.num_epochs=1",
+    "train.steps=3",
+    "train.warmup_steps=1",
+]
 
 
 def tiny(out, *overrides):

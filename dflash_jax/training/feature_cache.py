@@ -55,7 +55,15 @@ MANIFEST = "manifest.json"
 ROW_ARRAYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 # DataConfig fields that do not change the packed rows of one epoch (num_epochs: the cache holds
 # one; the rest are throughput, patience, or where features come from).
-NOT_ROW_FIELDS = ("num_epochs", "max_skip_fraction", "max_wait_s", "num_workers", "read_threads", "prefetch", "features")
+NOT_ROW_FIELDS = (
+    "num_epochs",
+    "max_skip_fraction",
+    "max_wait_s",
+    "num_workers",
+    "read_threads",
+    "prefetch",
+    "features",
+)
 _HASH_WHOLE = 8 << 20  # files up to this size are hashed whole, larger ones at three 1 MiB samples
 _SAMPLE = 1 << 20
 
@@ -146,7 +154,9 @@ def check_identity(cache_identity: dict, run: dict, where: str) -> None:
     a, b = _flatten(cache_identity), _flatten(json.loads(json.dumps(run, default=str)))
     wrong = [k for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
     if wrong:
-        detail = "; ".join(f"{k}: cache has {a.get(k, '<absent>')!r}, this run has {b.get(k, '<absent>')!r}" for k in wrong)
+        detail = "; ".join(
+            f"{k}: cache has {a.get(k, '<absent>')!r}, this run has {b.get(k, '<absent>')!r}" for k in wrong
+        )
         raise FeatureCacheError(
             f"feature cache {where} was made for another run ({detail}); rebuild it with "
             "python -m dflash_jax.features for this config, or unset data.features"
@@ -156,12 +166,12 @@ def check_identity(cache_identity: dict, run: dict, where: str) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype).name
 
 
 def _save(path: Path, array: np.ndarray) -> None:
-    if _dtype_name(array.dtype) == "bfloat16":
+    if dtype_name(array.dtype) == "bfloat16":
         array = array.view(np.uint16)
     np.save(path, np.ascontiguousarray(array), allow_pickle=False)
 
@@ -173,7 +183,9 @@ class CacheWriter:
     def __init__(self, out: Path, *, rows_per_shard: int, overwrite: bool = False):
         self.out = Path(out).expanduser().resolve()
         if self.out.exists() and not overwrite:
-            raise FeatureCacheError(f"{self.out} already exists: pass --overwrite to replace it, or choose another --out")
+            raise FeatureCacheError(
+                f"{self.out} already exists: pass --overwrite to replace it, or choose another --out"
+            )
         self.overwrite = overwrite
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -200,7 +212,7 @@ class CacheWriter:
         files = {}
         for name in self._pending[0]:
             array = np.concatenate([b[name] for b in self._pending], axis=0)
-            self.dtypes[name] = _dtype_name(array.dtype)
+            self.dtypes[name] = dtype_name(array.dtype)
             path = self.tmp / f"{index:05d}-{name}.npy"
             _save(path, array)
             files[name] = {"file": path.name, "bytes": path.stat().st_size, "shape": list(array.shape)}
@@ -263,7 +275,9 @@ class FeatureCache:
             for name, entry in shard["files"].items():
                 f = self.path / entry["file"]
                 if not f.is_file():
-                    raise FeatureCacheError(f"feature cache {self.path}: shard file {entry['file']} ({name}) is missing")
+                    raise FeatureCacheError(
+                        f"feature cache {self.path}: shard file {entry['file']} ({name}) is missing"
+                    )
                 if f.stat().st_size != entry["bytes"]:
                     raise FeatureCacheError(
                         f"feature cache {self.path}: shard file {entry['file']} has {f.stat().st_size} bytes, "
@@ -286,7 +300,9 @@ class FeatureCache:
             try:
                 a = np.load(f, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as e:
-                raise FeatureCacheError(f"feature cache {self.path}: cannot read {entry['file']} ({e}): rebuild the cache") from None
+                raise FeatureCacheError(
+                    f"feature cache {self.path}: cannot read {entry['file']} ({e}): rebuild the cache"
+                ) from None
             if list(a.shape) != entry["shape"]:
                 raise FeatureCacheError(
                     f"feature cache {self.path}: {entry['file']} has shape {list(a.shape)}, the manifest says {entry['shape']}"
@@ -317,7 +333,15 @@ class CachedBatchIterator:
     :meth:`data.shards.ShardedBatchIterator.get_state` (one logical shard), so checkpoints store and
     merge it unchanged; every process holds the same position."""
 
-    def __init__(self, cache: FeatureCache, data_cfg, *, process_index: int = 0, process_count: int = 1, cast: dict | None = None):
+    def __init__(
+        self,
+        cache: FeatureCache,
+        data_cfg,
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+        cast: dict | None = None,
+    ):
         rows = data_cfg.rows_per_process(process_count)
         self.cache, self.lo, self.hi = cache, process_index * rows, (process_index + 1) * rows
         self.num_batches = cache.rows // cache.batch_size
@@ -349,7 +373,10 @@ class CachedBatchIterator:
         return {k: v.astype(self.cast[k]) if k in self.cast else v for k, v in out.items()}
 
     def get_state(self) -> dict:
-        return {"num_shards": 1, "shards": {"0": {"feature_cache": {"epoch": self.epoch, "batch": self.batch}}}}
+        return {
+            "num_shards": 1,
+            "shards": {"0": {"feature_cache": {"epoch": self.epoch, "batch": self.batch}}},
+        }
 
     def set_state(self, state: dict) -> None:
         try:
@@ -365,7 +392,9 @@ class CachedBatchIterator:
         self.cache._open.clear()
 
 
-def open_for_run(cfg, data_cfg, target_dir: Path, tokenizer, taps, *, process_index: int = 0, process_count: int = 1) -> CachedBatchIterator:
+def open_for_run(
+    cfg, data_cfg, target_dir: Path, tokenizer, taps, *, process_index: int = 0, process_count: int = 1
+) -> CachedBatchIterator:
     """The training iterator of a run with ``data.features``: the cache, checked against the run
     (``data_cfg``: the run's effective data config, regenerated sources included)."""
     cache = FeatureCache(cfg.data.features)
@@ -378,4 +407,6 @@ def open_for_run(cfg, data_cfg, target_dir: Path, tokenizer, taps, *, process_in
         "training from the feature cache %s (%d rows, %d batches per epoch)",
         *(cache.path, cache.rows, cache.rows // cache.batch_size),
     )
-    return CachedBatchIterator(cache, data_cfg, process_index=process_index, process_count=process_count, cast=cast)
+    return CachedBatchIterator(
+        cache, data_cfg, process_index=process_index, process_count=process_count, cast=cast
+    )
