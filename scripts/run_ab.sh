@@ -16,24 +16,24 @@ mkdir -p "$OUT"
 [ -d "$OLD" ] || git -C "$NEW" worktree add --detach "$OLD" c3b8cc9
 COMMON=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128 eval.before_training=false
         train.steps=$STEPS train.time_limit_minutes=null train.seed=0 data.seed=0)
-train() {  # name repo extra-overrides...
-  local name=$1 repo=$2; shift 2
-  [ -f "$OUT/$name-zlab/config.json" ] && return 0  # done by an earlier run of this script
-  (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo \
-      output_dir="$OUT/$name" "${COMMON[@]}" "$@") > "$OUT/$name.log" 2>&1
-  (cd "$repo" && PYTHONPATH=$repo "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" \
-      --out "$OUT/$name-zlab" --dtype float32) >> "$OUT/$name.log" 2>&1
-}
-# (b) first: it regenerates the demo data once; the baseline's cache key differs (c3b8cc9 keys by
-# fewer fields), so its cache directory is seeded with the same files instead of regenerating
-# (greedy regeneration by the same target is deterministic; the same data for all three is the point).
-train b "$NEW" train.loss_weighting=decay
-SRC_REGEN=$(ls -td "${XDG_CACHE_HOME:-$HOME/.cache}"/dflash_jax/regenerated/*/ | head -1)
-(cd "$OLD" && PYTHONPATH=$OLD "$PY" - "$SRC_REGEN" "${COMMON[@]}" <<'PYEOF'
+# Training runs measure no tau themselves (eval.num_prompts=0): the one evaluator below does.
+TRAIN=("${COMMON[@]}" eval.num_prompts=0)
+REGEN_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/dflash_jax/regenerated"
+
+seed_regen() {  # repo: put the demo's regenerated files under the key that repo's code computes
+  local repo=$1 src
+  src=$(ls -td "$REGEN_ROOT"/*/ 2>/dev/null | while read -r d; do [ -f "$d/train.jsonl" ] && echo "$d" && break; done)
+  [ -n "$src" ] || return 0  # nothing regenerated yet: the first training run does it
+  (cd "$repo" && PYTHONPATH=$repo "$PY" - "$src" "${TRAIN[@]}" <<'PYEOF'
 import shutil, sys
 from pathlib import Path
 from dflash_jax import assets, regenerate
-from dflash_jax.train import regenerated_data
+try:
+    from dflash_jax.training.regen_cache import regenerated_data
+    from convert.smollm2 import smollm2_dir
+except ImportError:  # the baseline commit: both lived elsewhere
+    from dflash_jax.train import regenerated_data
+    smollm2_dir = assets.smollm2_dir
 from dflash_jax.training.run_config import load_run_config
 class KeyOnly(Exception):
     pass
@@ -43,16 +43,32 @@ regenerate.regenerate_records = stop
 root = assets.cache_root() / "regenerated"
 cfg = load_run_config("demo", [a for a in sys.argv[2:] if a.split("=")[0].split(".")[0] in ("data", "eval", "regen")])
 try:
-    regenerated_data(cfg, None, None, assets.smollm2_dir())
+    from transformers import AutoTokenizer
+    regenerated_data(cfg, None, AutoTokenizer.from_pretrained(smollm2_dir()), smollm2_dir())
 except KeyOnly:
     (new_dir,) = [p for p in root.iterdir() if not (p / "train.jsonl").exists()]
     for f in ("train.jsonl", "heldout.jsonl"):
         shutil.copy(Path(sys.argv[1]) / f, new_dir / f)
-    print("seeded baseline regen cache", new_dir, "from", sys.argv[1])
+    print("seeded regen cache", new_dir, "from", sys.argv[1])
 else:
-    print("baseline regen cache already present")
+    print("regen cache already present")
 PYEOF
-) >> "$OUT/b.log" 2>&1
+  )
+}
+
+train() {  # name repo extra-overrides...
+  local name=$1 repo=$2; shift 2
+  [ -f "$OUT/$name-zlab/config.json" ] && return 0  # done by an earlier run of this script
+  seed_regen "$repo" > "$OUT/$name.log" 2>&1
+  (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo \
+      output_dir="$OUT/$name" "${TRAIN[@]}" "$@") >> "$OUT/$name.log" 2>&1
+  (cd "$repo" && PYTHONPATH=$repo "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" \
+      --out "$OUT/$name-zlab" --dtype float32) >> "$OUT/$name.log" 2>&1
+}
+# The same regenerated data for all three (greedy regeneration by the same target is
+# deterministic; the cache keys differ between the commits, so each run's key is seeded with the
+# files the first run wrote). (b) first: new code regenerates.
+train b "$NEW" train.loss_weighting=decay
 train a "$OLD"
 train c "$NEW" train.loss_weighting=dpace
 cd "$NEW"

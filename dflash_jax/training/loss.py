@@ -4,8 +4,9 @@ Slot k (1..B-1) of the block anchored at p predicts token p+k; its label distrib
 target's logits at position p+k-1, i.e. ``lm_head(final_norm(last layer))`` there. Slot 0 holds the
 real token at p and carries no loss. The drafter's logits come from the function decoding uses
 (its lm_head pass with ``logit_scale``/``logit_softcap``), passed in as ``draft_logits``.
-Vocabularies are large (50k-250k), so logits exist only one chunk of slots at a time, recomputed
-in the backward pass (remat), never as [slots, V] at once.
+Vocabularies are large (50k-250k), so logits exist only one chunk of slots at a time, never as
+[slots, V] at once; each chunk's gradient w.r.t. the drafter's hidden state is taken in the
+forward pass (``_fused_chunk``), so nothing is recomputed in the backward pass.
 
 Slot weighting (``train.loss_weighting``):
 
@@ -102,37 +103,60 @@ def chunked_token_loss(
         th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
 
     if kind == "ce":
-        # Labels need no gradient: one pass for them, so the remat'd chunk below recomputes only
-        # the drafter's logits in the backward pass.
+        # Labels need no gradient: one pass for them over the target's logits.
         if labels is None:
             labels = jax.lax.map(lambda t: jnp.argmax(target_logits(t), axis=-1).astype(jnp.int32), th)
         else:
             labels = jnp.pad(labels.astype(jnp.int32), (0, pad)).reshape(n_chunks, chunk)
-
-        @jax.checkpoint
-        def one(args):
-            d, label = args
-            d_logits = draft_logits(d).astype(jnp.float32)
-            lse = jax.nn.logsumexp(d_logits, axis=-1)
-            loss = lse - jnp.take_along_axis(d_logits, label[:, None], axis=-1)[:, 0]
-            return loss, jnp.argmax(d_logits, axis=-1) == label, label
-
-        loss, correct, label = jax.lax.map(one, (dh, labels))
-        return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
-
-    @jax.checkpoint
-    def one(args):
-        d, t = args
-        t_logits = target_logits(t)
-        d_logits = draft_logits(d).astype(jnp.float32)
-        label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
-        d_logp = jax.nn.log_softmax(d_logits, axis=-1)
-        t_logp = jax.nn.log_softmax(t_logits, axis=-1)
-        loss = jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), axis=-1)
-        return loss, jnp.argmax(d_logits, axis=-1) == label, label
-
-    loss, correct, label = jax.lax.map(one, (dh, th))
+        aux = labels
+    else:
+        aux = th
+    loss, correct, label = jax.lax.map(_fused_chunk(draft_logits, target_logits, kind), (dh, aux))
     return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
+
+
+def _fused_chunk(draft_logits, target_logits, kind: str):
+    """One chunk's (loss [C], correct [C], label [C]) from drafter hidden d [C,D], with its gradient
+    w.r.t. d taken in the same pass (fused linear cross-entropy): the forward pass has the chunk's
+    logits at hand, so it also pulls ``dloss/dlogits`` back through the logits function and keeps
+    only that [C,D] result. The backward pass then scales it by the incoming per-item cotangent:
+    two vocabulary-sized matmuls per chunk (logits, their pullback), as in a dense PyTorch step,
+    where rematerialising the chunk in the backward pass costs a third. Exact because each item's
+    loss depends on its own row of d only. The logits function's closed-over weights (the frozen
+    lm_head, scale, soft-cap) get no gradient."""
+
+    def forward(d, aux):
+        logits, pullback = jax.vjp(lambda x: draft_logits(x).astype(jnp.float32), d)
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        # Written as elementwise expressions of the [C,V] logits so XLA fuses them: no softmax or
+        # log-softmax arrays of their own besides dlogits.
+        if kind == "ce":
+            label = aux
+            loss = lse[:, 0] - jnp.take_along_axis(logits, label[:, None], axis=-1)[:, 0]
+            hot = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == label[:, None]
+            dlogits = jnp.exp(logits - lse) - hot.astype(jnp.float32)
+        else:
+            t_logits = target_logits(aux)
+            label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
+            t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
+            loss = jnp.sum(jnp.exp(t_logits - t_lse) * ((t_logits - t_lse) - (logits - lse)), axis=-1)
+            dlogits = jnp.exp(logits - lse) - jnp.exp(t_logits - t_lse)
+        (d_hidden,) = pullback(dlogits)
+        return (loss, jnp.argmax(logits, axis=-1) == label, label), d_hidden
+
+    @jax.custom_vjp
+    def chunk_loss(d, aux):
+        return forward(d, aux)[0]
+
+    def fwd(d, aux):
+        return forward(d, aux)
+
+    def bwd(d_hidden, cotangents):
+        ct_loss = cotangents[0]
+        return (ct_loss[:, None].astype(d_hidden.dtype) * d_hidden, None)
+
+    chunk_loss.defvjp(fwd, bwd)
+    return lambda args: chunk_loss(*args)
 
 
 def dpace_weights(ce: jax.Array, trained: jax.Array, alpha: float = 0.5) -> jax.Array:
