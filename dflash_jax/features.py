@@ -61,6 +61,10 @@ def build(
         raise ConfigError(
             "python -m dflash_jax.features runs on one process (its mesh may span that host's devices)"
         )
+    if Path(out).expanduser().exists() and not overwrite:  # before anything is loaded
+        raise feature_cache.FeatureCacheError(
+            f"{out} already exists: pass --overwrite to replace it, or choose another --out"
+        )
     if cfg.data.features:
         log.info("data.features=%s is ignored while building a cache", cfg.data.features)
     setup.check_data_sources(cfg)

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dflash_jax.features import build
+from dflash_jax.features import build, main
 from dflash_jax.train import run
 from dflash_jax.training import feature_cache, step
 from dflash_jax.training.feature_cache import (
@@ -181,3 +181,10 @@ def test_features_field_is_validated():
     with pytest.raises(ValueError, match="features"):
         load_run_config("tiny", ["data.features="])
     assert load_run_config("tiny").data.features is None
+
+
+def test_cli_refuses_an_existing_out_before_loading(tmp_path, capsys):
+    (tmp_path / "cache").mkdir()
+    assert main(["--config", "tiny", "--out", str(tmp_path / "cache"), f"output_dir={tmp_path}"]) == 2
+    assert "already exists: pass --overwrite" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("tiny_target-*"))
