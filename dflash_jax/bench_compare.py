@@ -53,6 +53,21 @@ def _median_pair(ours, ref, repeats: int) -> dict:
     }
 
 
+def _maybe_profile(args, ours, jitted=None, *call_args) -> dict | None:
+    """``--profile``: a ``jax.profiler`` summary of one more call of ours (see dflash_jax.profiling)."""
+    if not getattr(args, "profile", False):
+        return None
+    from dflash_jax.profiling import profile
+
+    texts = []
+    if jitted is not None:
+        try:
+            texts.append(jitted.lower(*call_args).compile().as_text())
+        except Exception:  # noqa: BLE001 - op descriptions are a nicety; the timings stand without them
+            pass
+    return profile(ours, hlo_texts=texts)
+
+
 def matmul_peak(n: int = 1024, repeats: int = 5) -> dict:
     """Measured fp32 GFLOP/s of a jitted [n,n]x[n,n] matmul and of torch's, best of ``repeats``."""
     import torch
@@ -146,6 +161,7 @@ def compare_target(args) -> dict:
     out["ref_gflops"] = flops / out["ref_s"] / 1e9
     out["ours_tokens_per_s"] = R * T / out["ours_s"]
     out["ref_tokens_per_s"] = R * T / out["ref_s"]
+    out["profile"] = _maybe_profile(args, ours, fwd, target, x)
     return out
 
 
@@ -294,6 +310,7 @@ def compare_drafter_step(args) -> dict:
     flops -= 2.0 * D * cfg.vocab_size * slots  # no weight gradient for the frozen lm_head
     out["ours_gflops"] = flops / out["ours_s"] / 1e9
     out["ref_gflops"] = flops / out["ref_s"] / 1e9
+    out["profile"] = _maybe_profile(args, ours, step, drafter, optimizer, feats, embeds, labels)
     return out
 
 
@@ -367,6 +384,7 @@ def compare_eval(args) -> dict:
         "same_tokens_as_zlab": same,
         "tau_ours": float(np.mean([np.mean(o.acceptance_lengths) for o in res["ours"]])),
     }
+    out["profile"] = _maybe_profile(args, ours_spec)
     for name, r in (("spec", spec), ("greedy", greedy)):
         out[name] = {
             **r,
@@ -423,6 +441,9 @@ def add_parser(sub) -> None:
     c.add_argument("--new", type=int, default=32)
     c.add_argument("--impls", nargs="+", default=["reference", "xla", "pallas"])
     c.add_argument("--markdown", default=None, help="also write the tables to this file")
+    c.add_argument(
+        "--profile", action="store_true", help="add a jax.profiler summary of one call of ours to each table"
+    )
 
 
 def run_compare(args) -> dict:
@@ -449,6 +470,7 @@ def run_compare(args) -> dict:
 def markdown(out: dict, args) -> str:
     m, peak = out["machine"], out["matmul_peak"]
     cmd = f"python -m dflash_jax.bench compare {args.which}" + (" --small" if args.small else "")
+    cmd += " --profile" if getattr(args, "profile", False) else ""
     lines = [
         f"Command: `{cmd} --repeats {args.repeats}`; {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
         f"at start / {m['load_avg_1m_end']:.1f} at end; jax {m['jax']} ({m['backend']}); fp32 matmul peak "
@@ -498,4 +520,9 @@ def markdown(out: dict, args) -> str:
                 f"| attention fwd+bwd: {impl} vs reference | {sh['rows']}x{sh['length']}, {sh['anchors']}x{sh['block']} | "
                 f"{val} | {ref:.0f} ms | {ratio} | — | — |"
             )
+    from dflash_jax.profiling import markdown_lines
+
+    for key in ("target", "drafter-step", "eval"):
+        if out.get(key, {}).get("profile"):
+            lines += ["", *markdown_lines(out[key]["profile"], f"ours, {key}")]
     return "\n".join(lines) + "\n"

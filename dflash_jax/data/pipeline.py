@@ -74,6 +74,9 @@ class DataConfig:
     shards:         logical data shards, each read and packed on its own (data/shards.py); batches
                     are the same for every process count dividing it. None: the resumed
                     checkpoint's count, else one per process
+    features:       a feature cache dir (``python -m dflash_jax.features``): train on its stored target
+                    features and labels instead of running the target; it must match this run
+                    (training/feature_cache.py), and the fields above then only describe the rows it holds
     """
 
     sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple
@@ -98,6 +101,7 @@ class DataConfig:
     read_threads: int = 1
     prefetch: int = 2
     shards: int | None = None
+    features: str | None = None
 
     def __post_init__(self):
         srcs = self.sources
@@ -141,7 +145,7 @@ class DataConfig:
             raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")
         if self.heldout_count is not None and f > 0:
             raise ValueError("DataConfig: set heldout_fraction or heldout_count, not both")
-        for name in ("chat_template", "eot_token"):
+        for name in ("chat_template", "eot_token", "features"):
             v = getattr(self, name)
             if v == "":
                 raise ValueError(f"DataConfig.{name} must be a non-empty string or null, got {v!r}")

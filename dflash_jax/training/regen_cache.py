@@ -38,7 +38,8 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
             "target": str(Path(target_dir).resolve()),
             "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
-            "data": dataclasses.asdict(cfg.data),
+            # data.features only says where the run reads features from: not part of the key
+            "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "features"},
             "regen": dataclasses.asdict(r),
             "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
         },

@@ -139,11 +139,16 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
 
 
 def check_data_sources(cfg: RunConfig) -> None:
-    """Every configured data file exists (named if not), checked before any model is built."""
+    """Every configured data file exists (named if not), and a ``data.features`` cache is readable
+    (manifest, shard files), checked before any model is built."""
     from dflash_jax.data.sources import resolve_source
 
     for source in cfg.data.sources:
         resolve_source(source)
+    if cfg.data.features:
+        from dflash_jax.training.feature_cache import FeatureCache
+
+        FeatureCache(cfg.data.features)
 
 
 def choose_mask_token_id(tokenizer, vocab_size: int) -> int:

@@ -1,4 +1,4 @@
-"""One training step: frozen target forward -> anchors -> drafter -> chunked loss -> optax update.
+"""One training step: frozen target forward (or its offline cache) -> anchors -> drafter -> chunked loss -> optax update.
 
 Everything here is traced under one ``jax.jit``; the batch walks data -> target -> drafter -> loss
 -> optimizer without coming back. Labels are the target's own final logits (invariant 2); the
@@ -77,6 +77,16 @@ def target_pass(target, batch, layer_ids: tuple[int, ...]):
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
 
 
+def target_outputs(target, batch, layer_ids: tuple[int, ...]):
+    """(features, hidden, per-position labels) of a batch: read from it when it carries the offline
+    feature cache's arrays (``data.features``, see training/feature_cache.py: ``features`` plus
+    ``labels`` for ``ce`` or ``hidden`` for ``kl``), else from a frozen target pass (labels None:
+    ``block_loss`` takes the argmax itself). Which branch runs is fixed when the step is traced."""
+    if "features" not in batch:
+        return (*target_pass(target, batch, layer_ids), None)
+    return batch["features"], batch.get("hidden"), batch.get("labels")
+
+
 def gather_positions(x, pos):
     """x [R,T,...] at pos [R,...] -> [R,..., ...]: per-row gather along T."""
     R = x.shape[0]
@@ -95,10 +105,13 @@ def block_loss(
     lm_head,
     cfg: TrainSection,
     draft_logits=None,
+    position_labels=None,
 ):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state;
+    position_labels [R,T]: the target's argmax per position, already computed (``ce`` from the
+    offline feature cache; then ``hidden`` may be None);
     draft_logits: the drafter's logits function, [C,D] -> [C,V] (``drafter.logits``, the one
     decoding uses; None: plain lm_head). Which slots train: ``anchors.slot_targets``.
     """
@@ -107,7 +120,9 @@ def block_loss(
     dtype = to_dtype(cfg.compute_dtype)
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
-        per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
+        per_position = position_labels
+        if per_position is None:
+            per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
         slot_labels = gather_positions(per_position, label_pos).reshape(-1)
         target_h = None
     else:
@@ -154,7 +169,7 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
     ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
     ``anchors``: (anchors, valid) already drawn (micro-batching draws them for the whole batch)."""
     k_anchor, k_noise = jax.random.split(key)
-    features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
+    features, hidden, position_labels = target_outputs(target, batch, drafter.config.target_layer_ids)
     if cfg.feature_noise_std > 0:
         features = features + cfg.feature_noise_std * jax.random.normal(
             k_noise, features.shape, features.dtype
@@ -179,6 +194,7 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         target.lm_head_weight(),
         cfg,
         draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype),
+        position_labels=position_labels,
     )
     metrics = {
         "loss_sum": extra["loss_sum"],

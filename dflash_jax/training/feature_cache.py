@@ -1,0 +1,412 @@
+"""The offline feature cache: the frozen target's outputs over one epoch of packed rows, on disk.
+
+DFlash drafters train for many epochs over the same rows, and the target forward is most of a
+step's work; ``python -m dflash_jax.features`` (the writer, ``dflash_jax/features.py``) runs the
+target once and this module owns the format that it writes and that ``data.features: DIR`` reads.
+
+Layout of ``DIR``::
+
+    manifest.json              format version, what the rows are and what made them (below)
+    00000-input_ids.npy        shard 0: int32 [rows, T]
+    00000-positions.npy        int32 [rows, T]
+    00000-segment_ids.npy      int32 [rows, T]
+    00000-loss_mask.npy        int32 [rows, T]
+    00000-features.npy         [rows, T, K*H] the raw outputs of the taps, concatenated in tap order
+    00000-labels.npy           train.loss ce: int32 [rows, T], the target's argmax at each position
+    00000-hidden.npy           train.loss kl: [rows, T, H], the final normed hidden state (the loss
+                               recomputes the target's logits from it through lm_head: exact, and
+                               H values per position instead of a top-k approximation)
+    00001-...
+
+Rows are stored in training order: global batch ``b`` is rows ``b*B .. (b+1)*B - 1`` (``B`` =
+``data.batch_size``), the batches the online pipeline yields in its first epoch (its last batch
+padded with empty rows as online). Epoch 0 replays them in that order, so training from the cache
+equals online training; later epochs draw the same rows in a permutation seeded by ``data.seed``
+(when ``data.shuffle``). Process ``p`` of ``P`` reads rows ``p*B/P .. (p+1)*B/P - 1`` of each batch.
+bfloat16 arrays are stored as their uint16 bits (``.npy`` has no bfloat16); the manifest names the
+dtype. Shards are opened memory-mapped.
+
+The manifest's ``identity`` says what made the rows: the target (config and a content hash of its
+files, and the dtype it ran in), the taps, the tokenizer (name, size, chat-template hash), every
+data setting that changes the packed rows (with a content hash of the data files) and what the
+labels are. A run refuses a cache whose identity differs from its own, naming each field and both
+values (:func:`check_identity`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dflash_jax.cli import UserError
+from dflash_jax.dtypes import to_dtype
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ROW_ARRAYS = ("input_ids", "positions", "segment_ids", "loss_mask")
+# DataConfig fields that do not change the packed rows of one epoch (num_epochs: the cache holds
+# one; the rest are throughput, patience, or where features come from).
+NOT_ROW_FIELDS = (
+    "num_epochs",
+    "max_skip_fraction",
+    "max_wait_s",
+    "num_workers",
+    "read_threads",
+    "prefetch",
+    "features",
+)
+_HASH_WHOLE = 8 << 20  # files up to this size are hashed whole, larger ones at three 1 MiB samples
+_SAMPLE = 1 << 20
+
+
+class FeatureCacheError(UserError):
+    """A feature cache that is missing, unreadable, corrupt, or made for another run."""
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file: whole when small, else of its size and three 1 MiB samples (start, middle,
+    end), so multi-GB weights are fingerprinted in milliseconds, independent of path and mtime."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _HASH_WHOLE:
+            h.update(f.read())
+        else:
+            for offset in (0, size // 2, size - _SAMPLE):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+def target_fingerprint(target_dir: Path, dtype: str) -> dict:
+    """The files that define the target (config, weights) by content, and the dtype it ran in."""
+    files = sorted(p for p in Path(target_dir).iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
+    return {"dtype": dtype, "files": {p.name: file_digest(p) for p in files}}
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):  # a dict of named templates
+        template = json.dumps(template, sort_keys=True)
+    return {
+        "name": Path(str(getattr(tokenizer, "name_or_path", ""))).name,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16],
+    }
+
+
+def data_fingerprint(data_cfg) -> dict:
+    """Every DataConfig setting that changes the packed rows, sources by content (name and hash)."""
+    from dflash_jax.data.sources import resolve_source
+
+    out = {
+        f.name: getattr(data_cfg, f.name)
+        for f in dataclasses.fields(data_cfg)
+        if f.name not in NOT_ROW_FIELDS and f.name != "sources"
+    }
+    paths = [Path(resolve_source(s)[0]) for s in data_cfg.sources]
+    out["sources"] = [f"{p.name}:{file_digest(p)}" for p in paths]
+    return out
+
+
+def labels_identity(train_cfg) -> dict:
+    """What the label arrays are: ``ce`` argmax labels depend on the precision of the target logits."""
+    if train_cfg.loss == "ce":
+        return {"loss": "ce", "compute_dtype": train_cfg.compute_dtype}
+    return {"loss": train_cfg.loss}
+
+
+def run_identity(cfg, data_cfg, target_dir: Path, tokenizer, taps) -> dict:
+    """What a run needs its cache to have been made from (compared field by field)."""
+    return {
+        "target": target_fingerprint(target_dir, cfg.target.dtype),
+        "taps": [int(t) for t in taps],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "data": data_fingerprint(data_cfg),
+        "labels": labels_identity(cfg.train),
+    }
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def check_identity(cache_identity: dict, run: dict, where: str) -> None:
+    """Raise naming every field where the cache at ``where`` and the run disagree, with both values."""
+    a, b = _flatten(cache_identity), _flatten(json.loads(json.dumps(run, default=str)))
+    wrong = [k for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+    if wrong:
+        detail = "; ".join(
+            f"{k}: cache has {a.get(k, '<absent>')!r}, this run has {b.get(k, '<absent>')!r}" for k in wrong
+        )
+        raise FeatureCacheError(
+            f"feature cache {where} was made for another run ({detail}); rebuild it with "
+            "python -m dflash_jax.features for this config, or unset data.features"
+        )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def dtype_name(dtype) -> str:
+    return "bfloat16" if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype).name
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    if dtype_name(array.dtype) == "bfloat16":
+        array = array.view(np.uint16)
+    np.save(path, np.ascontiguousarray(array), allow_pickle=False)
+
+
+class CacheWriter:
+    """Writes shards of ``rows_per_shard`` rows into a temporary sibling of ``out``; :meth:`finish`
+    writes the manifest and renames it to ``out`` (so ``out`` is either complete or absent)."""
+
+    def __init__(self, out: Path, *, rows_per_shard: int, overwrite: bool = False):
+        self.out = Path(out).expanduser().resolve()
+        if self.out.exists() and not overwrite:
+            raise FeatureCacheError(
+                f"{self.out} already exists: pass --overwrite to replace it, or choose another --out"
+            )
+        self.overwrite = overwrite
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.rows_per_shard = rows_per_shard
+        self.shards: list[dict] = []
+        self.dtypes: dict[str, str] = {}
+        self._pending: list[dict] = []
+        self._pending_rows = 0
+        self.rows = 0
+
+    def add(self, batch: dict) -> None:
+        """One global batch of numpy arrays, all with the same leading (row) dimension."""
+        self._pending.append(batch)
+        self._pending_rows += len(batch["input_ids"])
+        self.rows += len(batch["input_ids"])
+        if self._pending_rows >= self.rows_per_shard:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        index = len(self.shards)
+        files = {}
+        for name in self._pending[0]:
+            array = np.concatenate([b[name] for b in self._pending], axis=0)
+            self.dtypes[name] = dtype_name(array.dtype)
+            path = self.tmp / f"{index:05d}-{name}.npy"
+            _save(path, array)
+            files[name] = {"file": path.name, "bytes": path.stat().st_size, "shape": list(array.shape)}
+        self.shards.append({"rows": self._pending_rows, "files": files})
+        self._pending, self._pending_rows = [], 0
+
+    def finish(self, manifest: dict) -> Path:
+        self._flush()
+        if not self.shards:
+            raise FeatureCacheError("the training data yielded no batch: nothing to cache")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            **manifest,
+            "rows": self.rows,
+            "dtypes": self.dtypes,
+            "shards": self.shards,
+        }
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class FeatureCache:
+    """A cache directory, checked when opened: manifest readable and of this format, every shard
+    file present with the size and shape the manifest records. Rows are read memory-mapped."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser().resolve()
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise FeatureCacheError(
+                f"data.features={path}: no {MANIFEST} there (build the cache with python -m dflash_jax.features)"
+            )
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+            version = self.manifest["format_version"]
+        except (ValueError, KeyError) as e:
+            raise FeatureCacheError(f"{manifest_path} is not a feature cache manifest ({e})") from None
+        if version != FORMAT_VERSION:
+            raise FeatureCacheError(
+                f"{manifest_path} has format_version {version!r}; this version reads {FORMAT_VERSION}: rebuild the cache"
+            )
+        try:
+            self.shards = self.manifest["shards"]
+            self.dtypes = self.manifest["dtypes"]
+            self.rows = int(self.manifest["rows"])
+            self.batch_size = int(self.manifest["batch_size"])
+            self.identity = self.manifest["identity"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise FeatureCacheError(f"{manifest_path} lacks field {e}") from None
+        for shard in self.shards:
+            for name, entry in shard["files"].items():
+                f = self.path / entry["file"]
+                if not f.is_file():
+                    raise FeatureCacheError(
+                        f"feature cache {self.path}: shard file {entry['file']} ({name}) is missing"
+                    )
+                if f.stat().st_size != entry["bytes"]:
+                    raise FeatureCacheError(
+                        f"feature cache {self.path}: shard file {entry['file']} has {f.stat().st_size} bytes, "
+                        f"the manifest says {entry['bytes']} (truncated or corrupt: rebuild the cache)"
+                    )
+        if sum(s["rows"] for s in self.shards) != self.rows or self.rows % self.batch_size:
+            raise FeatureCacheError(
+                f"feature cache {self.path}: shards hold {sum(s['rows'] for s in self.shards)} rows, the "
+                f"manifest says {self.rows} in batches of {self.batch_size}"
+            )
+        self.names = tuple(self.shards[0]["files"])
+        self._starts = np.cumsum([0] + [s["rows"] for s in self.shards])
+        self._open: dict[tuple[int, str], np.ndarray] = {}
+
+    def _array(self, shard: int, name: str) -> np.ndarray:
+        key = (shard, name)
+        if key not in self._open:
+            entry = self.shards[shard]["files"][name]
+            f = self.path / entry["file"]
+            try:
+                a = np.load(f, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as e:
+                raise FeatureCacheError(
+                    f"feature cache {self.path}: cannot read {entry['file']} ({e}): rebuild the cache"
+                ) from None
+            if list(a.shape) != entry["shape"]:
+                raise FeatureCacheError(
+                    f"feature cache {self.path}: {entry['file']} has shape {list(a.shape)}, the manifest says {entry['shape']}"
+                )
+            if self.dtypes[name] == "bfloat16":
+                a = a.view(to_dtype("bfloat16"))
+            self._open[key] = a
+        return self._open[key]
+
+    def read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The arrays of global rows ``rows`` (any order), gathered across shards."""
+        shard_of = np.searchsorted(self._starts, rows, side="right") - 1
+        out = {}
+        for name in self.names:
+            parts = [None] * len(rows)
+            for s in np.unique(shard_of):
+                sel = np.nonzero(shard_of == s)[0]
+                block = self._array(int(s), name)[rows[sel] - self._starts[s]]
+                for i, j in enumerate(sel):
+                    parts[j] = block[i]
+            out[name] = np.stack(parts)
+        return out
+
+
+class CachedBatchIterator:
+    """This process's rows of every global batch, from a :class:`FeatureCache` (see the module
+    docstring for the order). ``get_state`` / ``set_state`` have the shape of
+    :meth:`data.shards.ShardedBatchIterator.get_state` (one logical shard), so checkpoints store and
+    merge it unchanged; every process holds the same position."""
+
+    def __init__(
+        self,
+        cache: FeatureCache,
+        data_cfg,
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+        cast: dict | None = None,
+    ):
+        rows = data_cfg.rows_per_process(process_count)
+        self.cache, self.lo, self.hi = cache, process_index * rows, (process_index + 1) * rows
+        self.num_batches = cache.rows // cache.batch_size
+        self.num_epochs, self.seed, self.shuffle = data_cfg.num_epochs, data_cfg.seed, data_cfg.shuffle
+        self.cast = cast or {}  # array name -> dtype the step expects
+        self.epoch, self.batch = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def _rows_of_epoch(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            order = np.arange(self.cache.rows)
+            if epoch > 0 and self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.cache.rows)
+            self._order_epoch, self._order = epoch, order
+        return self._order
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.batch == self.num_batches:
+            self.epoch, self.batch = self.epoch + 1, 0
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        B = self.cache.batch_size
+        rows = self._rows_of_epoch(self.epoch)[self.batch * B : (self.batch + 1) * B][self.lo : self.hi]
+        out = self.cache.read_rows(rows)
+        self.batch += 1
+        return {k: v.astype(self.cast[k]) if k in self.cast else v for k, v in out.items()}
+
+    def get_state(self) -> dict:
+        return {
+            "num_shards": 1,
+            "shards": {"0": {"feature_cache": {"epoch": self.epoch, "batch": self.batch}}},
+        }
+
+    def set_state(self, state: dict) -> None:
+        try:
+            pos = state["shards"]["0"]["feature_cache"]
+            self.epoch, self.batch = int(pos["epoch"]), int(pos["batch"])
+        except (KeyError, TypeError) as e:
+            raise FeatureCacheError(
+                f"the checkpoint's data state is not a feature-cache position ({e}): it was saved by a run "
+                "that read the data online; resume it without data.features"
+            ) from None
+
+    def close(self) -> None:
+        self.cache._open.clear()
+
+
+def open_for_run(
+    cfg, data_cfg, target_dir: Path, tokenizer, taps, *, process_index: int = 0, process_count: int = 1
+) -> CachedBatchIterator:
+    """The training iterator of a run with ``data.features``: the cache, checked against the run
+    (``data_cfg``: the run's effective data config, regenerated sources included)."""
+    cache = FeatureCache(cfg.data.features)
+    check_identity(cache.identity, run_identity(cfg, data_cfg, target_dir, tokenizer, taps), str(cache.path))
+    # Arrays stored in another dtype (--dtype) reach the step in the dtype the target computed
+    # them in, as online, so the step compiles the same.
+    computed = cache.manifest.get("computed_dtypes", {})
+    cast = {k: to_dtype(v) for k, v in computed.items() if k in cache.dtypes and cache.dtypes[k] != v}
+    log.info(
+        "training from the feature cache %s (%d rows, %d batches per epoch)",
+        *(cache.path, cache.rows, cache.rows // cache.batch_size),
+    )
+    return CachedBatchIterator(
+        cache, data_cfg, process_index=process_index, process_count=process_count, cast=cast
+    )
