@@ -429,17 +429,21 @@ COMPARES = {
 }
 
 
+# The shapes of the comparisons (the markdown's command line repeats those that differ).
+SHAPE_DEFAULTS = {"rows": 2, "length": 384, "anchors": 64, "prompts": 3, "new": 32,
+                  "impls": ["reference", "xla", "pallas"]}  # fmt: skip
+
+
 def add_parser(sub) -> None:
     c = sub.add_parser("compare", help="ours vs the PyTorch reference, side by side")
     c.add_argument("which", choices=[*COMPARES, "all"])
     c.add_argument("--small", action="store_true", help="tiny random target: a quick run")
     c.add_argument("--repeats", type=int, default=3)
-    c.add_argument("--rows", type=int, default=2)
-    c.add_argument("--length", type=int, default=384)
-    c.add_argument("--anchors", type=int, default=64)
-    c.add_argument("--prompts", type=int, default=3)
-    c.add_argument("--new", type=int, default=32)
-    c.add_argument("--impls", nargs="+", default=["reference", "xla", "pallas"])
+    for name, default in SHAPE_DEFAULTS.items():
+        if isinstance(default, list):
+            c.add_argument(f"--{name}", nargs="+", default=list(default))
+        else:
+            c.add_argument(f"--{name}", type=int, default=default)
     c.add_argument("--markdown", default=None, help="also write the tables to this file")
     c.add_argument(
         "--profile", action="store_true", help="add a jax.profiler summary of one call of ours to each table"
@@ -467,12 +471,22 @@ def run_compare(args) -> dict:
     return out
 
 
+def command_line(args) -> str:
+    """The compare command that reproduces a run: every option whose value is not its default."""
+    parts = ["python -m dflash_jax.bench compare", args.which]
+    parts += [f"--{flag}" for flag in ("small", "profile") if getattr(args, flag, False)]
+    parts.append(f"--repeats {args.repeats}")
+    for name, default in SHAPE_DEFAULTS.items():
+        value = getattr(args, name, default)
+        if value != default:
+            parts.append(f"--{name} " + (" ".join(value) if isinstance(value, list) else str(value)))
+    return " ".join(parts)
+
+
 def markdown(out: dict, args) -> str:
     m, peak = out["machine"], out["matmul_peak"]
-    cmd = f"python -m dflash_jax.bench compare {args.which}" + (" --small" if args.small else "")
-    cmd += " --profile" if getattr(args, "profile", False) else ""
     lines = [
-        f"Command: `{cmd} --repeats {args.repeats}`; {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
+        f"Command: `{command_line(args)}`; {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
         f"at start / {m['load_avg_1m_end']:.1f} at end; jax {m['jax']} ({m['backend']}); fp32 matmul peak "
         f"measured in the run: jax {peak['jax_gflops']:.0f} GFLOP/s, torch {peak['torch_gflops']:.0f} GFLOP/s. "
         "Medians of interleaved repetitions; ratio = reference time / ours (> 1: ours faster).",

@@ -136,7 +136,12 @@ def write_csv(rows: list[Row], path: Path) -> Path:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            rec = {"variant": r.variant, "layout": r.layout, "error": r.error or "", "fits": "" if r.fits is None else r.fits}
+            rec = {
+                "variant": r.variant,
+                "layout": r.layout,
+                "error": r.error or "",
+                "fits": "" if r.fits is None else r.fits,
+            }
             if r.plan is not None:
                 p = r.plan
                 rec.update({k: getattr(p, k) for k in fields if hasattr(p, k)})
@@ -193,7 +198,9 @@ def _parse_sweep(items: list[str]) -> dict[str, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.mesh_experiment", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_jax.mesh_experiment", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--config", required=True, help="a YAML path or a name in configs/")
     p.add_argument("--layouts", nargs="+", required=True, help='e.g. data=8 fsdp=8 "data=2,tensor=4"')
     p.add_argument("--devices", type=int, default=None, help="devices to plan for (CPU: simulated)")

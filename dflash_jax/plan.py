@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax import hlo_stats
+from dflash_jax.dtypes import to_dtype
 from dflash_jax.sharding import MESH_AXES, MeshConfig, make_mesh, named_sharding
 
 
@@ -41,6 +42,9 @@ class PlanSpec:
     target_dtype: str = "bfloat16"
     batch_rows: int = 8  # R: global packed rows per step
     seq_len: int = 4096  # T
+    # ``data.features``: the step reads the target's outputs from the batch (the offline feature
+    # cache) instead of running the target, so the batch is larger and there is no forward pass.
+    cached_features: bool = False
 
 
 @dataclass
@@ -59,6 +63,7 @@ class LayoutPlan:
     collectives: dict = field(default_factory=dict)  # kind -> (count, bytes) per device per step
     unknown_trip_loops: int = 0
     compile_seconds: float = 0.0
+    cached_features: bool = False  # planned for a run from the offline feature cache
     step_seconds: float | None = None
     tokens_per_second: float | None = None
 
@@ -197,8 +202,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
-    s = jax.ShapeDtypeStruct((spec.batch_rows, spec.seq_len), jnp.int32, sharding=batch_sharding(mesh))
-    return {"input_ids": s, "positions": s, "segment_ids": s, "loss_mask": s}
+    """The step's input batch; with ``cached_features`` also the arrays the feature cache carries
+    (training/feature_cache.py), in the dtype the target computes them in."""
+    rows, seq, sharding = spec.batch_rows, spec.seq_len, batch_sharding(mesh)
+    s = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=sharding)
+    batch = {"input_ids": s, "positions": s, "segment_ids": s, "loss_mask": s}
+    if spec.cached_features:
+        dtype, hidden = to_dtype(spec.target_dtype), spec.target_config.hidden_size
+        taps = len(spec.drafter_config.target_layer_ids)
+        batch["features"] = jax.ShapeDtypeStruct((rows, seq, taps * hidden), dtype, sharding=sharding)
+        if spec.train_section.loss == "kl":
+            batch["hidden"] = jax.ShapeDtypeStruct((rows, seq, hidden), dtype, sharding=sharding)
+        else:
+            batch["labels"] = s
+    return batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,12 +307,17 @@ def plan_layout(
         opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
         fwd_opts = _cpu_compiler_options(plan_only=True, hoist_invariants=False) if cpu else None
         layer_ids = tuple(spec.drafter_config.target_layer_ids)
-        fwd = jax.jit(_target_forward_fn(t_graph, layer_ids)).lower(t_state, batch)
-        fwd = fwd.compile(compiler_options=fwd_opts)
+        fwd = None  # a run from the feature cache never runs the target forward
+        if not spec.cached_features:
+            fwd = jax.jit(_target_forward_fn(t_graph, layer_ids)).lower(t_state, batch)
+            fwd = fwd.compile(compiler_options=fwd_opts)
         step_jit = jax.jit(
             _train_step_fn(d_graph, t_graph, spec.train_section),
             donate_argnums=(0,),
             out_shardings=(_shardings(d_state), None),
+            # The run holds the whole target even when a cached step reads only its embedding
+            # and lm_head: count every weight as a live argument.
+            keep_unused=True,
         )
         lowered = step_jit.lower(d_state, t_state, batch, key)
         compiled = lowered.compile(compiler_options=opts)
@@ -313,11 +335,12 @@ def plan_layout(
         train_output_bytes=outs,
         train_alias_bytes=alias,
         train_temp_bytes=temp,
-        target_temp_bytes=_memory(fwd)[3],
+        target_temp_bytes=_memory(fwd)[3] if fwd is not None else 0,
         flops=stats.matmul_flops,
         collectives=stats.collectives,
         unknown_trip_loops=stats.unknown_trip_loops,
         compile_seconds=compile_s,
+        cached_features=spec.cached_features,
     )
     if measure_steps > 0:
         plan.step_seconds = _measure(compiled, spec, mesh, t_state, d_state, measure_steps)
@@ -363,6 +386,11 @@ def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int)
         "segment_ids": seg,
         "loss_mask": (pos >= doc // 4).astype(np.int32),
     }
+    for name, abstract in abstract_batch(spec, mesh).items():  # the feature cache's arrays
+        if name == "labels":
+            batch[name] = rng.integers(0, spec.target_config.vocab_size, (R, T)).astype(np.int32)
+        elif name not in batch:
+            batch[name] = rng.standard_normal(abstract.shape, np.float32).astype(abstract.dtype)
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
     times = []
     with jax.set_mesh(mesh):
@@ -440,6 +468,7 @@ def spec_for_run(
         target_dtype=cfg.target.dtype,
         batch_rows=batch_rows or cfg.data.batch_size,
         seq_len=seq_len or cfg.data.max_length,
+        cached_features=bool(cfg.data.features),
     )
 
 
@@ -493,7 +522,8 @@ def describe(plan: LayoutPlan, device_memory: int | None) -> str:
             if device_memory
             else "  (device memory unknown)"
         ),
-        f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}",
+        f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}"
+        + ("  (none: features from the cache)" if plan.cached_features else ""),
         f"  matmul TFLOP/step {plan.flops / 1e12:.2f}; collectives: {plan.collectives_summary()}",
     ]
     return "\n".join(lines)

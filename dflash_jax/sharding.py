@@ -65,7 +65,9 @@ class MeshConfig:
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ValueError(f"mesh layout {text!r}: size of {name!r} must be an integer, got {value!r}") from None
+                raise ValueError(
+                    f"mesh layout {text!r}: size of {name!r} must be an integer, got {value!r}"
+                ) from None
         if not sizes:
             raise ValueError(f"mesh layout {text!r} names no axis")
         return cls(**{a: sizes.get(a, 1) for a in MESH_AXES})

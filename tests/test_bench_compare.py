@@ -57,3 +57,22 @@ def test_compare_all_small(tmp_path, capsys):
     text = md.read_text()
     assert "target fwd vs transformers" in text and "speculative vs z-lab" in text
     assert text.count("\n| ") >= 6  # header + target + step + 2 eval + 2 attention rows
+
+
+def test_markdown_command_repeats_every_non_default_option():
+    """BENCHMARKS.md tables carry the command that made them: shapes changed from their defaults
+    must appear in it (a table measured with --prompts 2 --new 32 must not read as the default)."""
+    import argparse
+
+    from dflash_jax.bench_compare import add_parser, command_line
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["compare", "all", "--prompts", "2", "--new", "64", "--profile",
+                              "--impls", "xla", "pallas"])  # fmt: skip
+    cmd = command_line(args)
+    assert cmd.startswith("python -m dflash_jax.bench compare all --profile --repeats 3")
+    assert "--prompts 2" in cmd and "--new 64" in cmd and "--impls xla pallas" in cmd
+    assert "--rows" not in cmd and "--small" not in cmd  # defaults are left out
+    default = command_line(parser.parse_args(["compare", "target"]))
+    assert default == "python -m dflash_jax.bench compare target --repeats 3"

@@ -63,9 +63,17 @@ def test_greedy_generation_matches_transformers(setup):
     ours = generate(setup["target"], setup["prompts"], max_new_tokens=MAX_NEW, batch_size=2)
     for p, o in zip(setup["prompts"], ours, strict=True):
         with torch.no_grad():
-            ref = setup["hf"].generate(
-                torch.tensor(p)[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
+            ref = (
+                setup["hf"]
+                .generate(
+                    torch.tensor(p)[None],
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(p) :]
+                .tolist()
+            )
         assert o == ref
     assert any(Counter(o)[C] < len(o) for o in ours)  # not one repeated token everywhere
 
@@ -75,7 +83,11 @@ def test_speculative_matches_zlab_and_plain_greedy(setup, tmp_path, monkeypatch)
     from convert.zlab_drafter import write_zlab_drafter
 
     cfg = DrafterConfig.for_target(
-        setup["target"].config, num_layers=1, mask_token_id=setup["mask"], block_size=4, target_layer_ids=(0, 2, 3)
+        setup["target"].config,
+        num_layers=1,
+        mask_token_id=setup["mask"],
+        block_size=4,
+        target_layer_ids=(0, 2, 3),
     )
     drafter = init_drafter(cfg, setup["target"], 7)
     write_zlab_drafter(tmp_path, drafter.config, jax.device_get(get_params(drafter)), dtype="float32")

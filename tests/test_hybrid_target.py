@@ -36,7 +36,9 @@ def hf_reference(model, ids):
     layers = text_model(model).layers
     hooks = [
         layer.register_forward_hook(
-            lambda mod, args, out, i=i: raw.__setitem__(i, (out[0] if isinstance(out, tuple) else out).numpy())
+            lambda mod, args, out, i=i: raw.__setitem__(
+                i, (out[0] if isinstance(out, tuple) else out).numpy()
+            )
         )
         for i, layer in enumerate(layers)
     ]
@@ -65,7 +67,10 @@ def test_parity_with_transformers(layout, tmp_path_factory):
     np.testing.assert_allclose(np.asarray(out.hidden), ref.hidden_states[-1].numpy(), atol=1e-4, rtol=0)
     for j, layer in enumerate(LAYER_IDS):
         np.testing.assert_allclose(
-            np.asarray(out.features[..., j * H : (j + 1) * H]), raw[layer], atol=1e-4, rtol=0,
+            np.asarray(out.features[..., j * H : (j + 1) * H]),
+            raw[layer],
+            atol=1e-4,
+            rtol=0,
             err_msg=f"feature of layer {layer} ({target.config.layer_types[layer]})",
         )
 
@@ -92,7 +97,9 @@ def test_unknown_or_missing_tensors_are_named(tmp_path_factory, tmp_path):
     tensors["model.language_model.layers.0.linear_attn.extra.weight"] = np.zeros((2,), np.float32)
     del tensors["model.language_model.layers.1.linear_attn.A_log"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing tensors: model\.language_model\.layers\.1\.linear_attn\.A_log"):
+    with pytest.raises(
+        ValueError, match=r"missing tensors: model\.language_model\.layers\.1\.linear_attn\.A_log"
+    ):
         dflash_jax.load_target(tmp_path)
 
 
@@ -109,7 +116,9 @@ def test_packed_documents_equal_each_alone(tmp_path_factory):
     packed = fn(target, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
     for doc, sl in ((a, slice(0, len(a))), (b, slice(len(a), None))):
         alone = run(target, doc[None])
-        np.testing.assert_allclose(np.asarray(packed.logits[:, sl]), np.asarray(alone.logits), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(packed.logits[:, sl]), np.asarray(alone.logits), atol=1e-4, rtol=0
+        )
         np.testing.assert_allclose(
             np.asarray(packed.features[:, sl]), np.asarray(alone.features), atol=1e-4, rtol=0
         )
@@ -142,12 +151,29 @@ def test_cache_continuation_and_rollback(tmp_path_factory):
 
 
 def test_config_json_roundtrip():
-    c = TargetConfig.from_hf_dict(json.loads(json.dumps(TargetConfig.from_hf_dict(
-        {"model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 112,
-         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-         "linear_value_head_dim": 16, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}}
-    ).to_hf_dict())))
+    c = TargetConfig.from_hf_dict(
+        json.loads(
+            json.dumps(
+                TargetConfig.from_hf_dict(
+                    {
+                        "model_type": "qwen3_5_text",
+                        "vocab_size": 512,
+                        "hidden_size": 64,
+                        "intermediate_size": 112,
+                        "num_hidden_layers": 8,
+                        "num_attention_heads": 4,
+                        "num_key_value_heads": 2,
+                        "head_dim": 32,
+                        "linear_num_key_heads": 2,
+                        "linear_num_value_heads": 4,
+                        "linear_key_head_dim": 16,
+                        "linear_value_head_dim": 16,
+                        "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+                    }
+                ).to_hf_dict()
+            )
+        )
+    )
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
         "full_attention",
     )

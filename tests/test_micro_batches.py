@@ -72,7 +72,9 @@ def test_accumulated_update_equals_full_batch(micro_batches, remat):
         TrainSection(max_anchors=6, loss_chunk=16, micro_batches=micro_batches, remat=remat)
     )
     init_params = get_params(init_drafter(_setup()[1], None, 3))
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), want_params, init_params))
+    moved = jax.tree.leaves(
+        jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), want_params, init_params)
+    )
     assert max(moved) > 1e-4  # the step really moved the weights
     for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(got_params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6, rtol=1e-4)

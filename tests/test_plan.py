@@ -155,7 +155,9 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
 
     from dflash_jax import hlo_stats
 
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8]
+    )
 
     def f(x, w):
         def body(c, wi):
@@ -163,8 +165,12 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
 
         return jax.lax.scan(body, x, w)[0].sum()
 
-    x = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data", None)))
-    w = jax.ShapeDtypeStruct((10, 256, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    x = jax.ShapeDtypeStruct(
+        (128, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data", None))
+    )
+    w = jax.ShapeDtypeStruct(
+        (10, 256, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
+    )
     with jax.set_mesh(mesh):
         compiled = jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile()
     stats = hlo_stats.analyze(compiled.as_text())
@@ -173,3 +179,24 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
     assert stats.unknown_trip_loops == 0
     count, nbytes = stats.collectives["all-gather"]
     assert count % 10 == 0 and nbytes > 0  # gathered inside the layer loop: once per layer
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_plan_of_a_feature_cache_run_has_no_target_forward(loss):
+    """``data.features``: the planned step reads features and labels (or hidden states) from the
+    batch: the batch arguments grow by exactly those arrays and the target's layers run no matmul."""
+    overrides = [*TINY_OVERRIDES, "data.max_length=64", "data.batch_size=8", "train.max_anchors=4",
+                 f"train.loss={loss}", "target.dtype=float32"]  # fmt: skip
+    online = plan.spec_for_run(load_run_config("qwen3-8b", overrides))
+    cached = plan.spec_for_run(load_run_config("qwen3-8b", [*overrides, "data.features=/nowhere"]))
+    assert cached.cached_features and not online.cached_features
+    layout = plan.parse_layout("data=2,fsdp=4")
+    p_online, p_cached = plan.plan_layout(online, layout), plan.plan_layout(cached, layout)
+    assert p_online.target_temp_bytes > 0 and p_cached.target_temp_bytes == 0
+    R, T, H, taps = 8, 64, 128, len(cached.drafter_config.target_layer_ids)
+    per_row_token = taps * H * 4 + (H * 4 if loss == "kl" else 4)  # features + hidden (f32) or labels
+    extra = p_cached.train_argument_bytes - p_online.train_argument_bytes
+    assert extra == R * T * per_row_token // 8  # rows over data x fsdp = 8 devices
+    # The online step also runs the 2-layer target: its matmul FLOPs are strictly more.
+    assert p_cached.flops < p_online.flops
+    assert "none: features from the cache" in plan.describe(p_cached, None)

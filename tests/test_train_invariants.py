@@ -189,11 +189,11 @@ def test_chunked_loss_matches_dense_and_fits_memory():
 
     for kind in ("ce", "kl"):
 
-        def fused(d):
+        def fused(d, kind=kind):
             loss = chunked_token_loss(d, th, W, draft_logits=draft_logits, kind=kind, chunk=64)[0]
             return jnp.sum(loss * weights)
 
-        def dense(d):
+        def dense(d, kind=kind):
             t_logp = jax.nn.log_softmax(th @ W)
             d_logp = jax.nn.log_softmax(draft_logits(d))
             if kind == "ce":

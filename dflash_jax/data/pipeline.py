@@ -413,17 +413,19 @@ def build_train_dataset(
 
 
 def make_train_iterator(
-    config: DataConfig, tokenizer, *, process_index: int = 0, process_count: int = 1
+    config: DataConfig, tokenizer, *, process_index: int = 0, process_count: int = 1, role: str = "training"
 ) -> grain.DatasetIterator:
     """Iterator of packed batches for this process: dicts of int32 numpy ``[rows, max_length]``
     arrays ``input_ids, positions, segment_ids, loss_mask`` (rows = batch_size / process_count).
+    ``role`` names the data in the log ("training", "held-out").
 
     Supports ``get_state()`` / ``set_state(state)``; the state is JSON-serialisable.
     """
     ds, report = build_train_dataset(
         config, tokenizer, process_index=process_index, process_count=process_count
     )
-    log.info("training data (process %d/%d):\n%s", process_index, process_count, report.summary())
+    summary = report.summary() if role == "training" else report.load.summary()
+    log.info("%s data (process %d/%d):\n%s", role, process_index, process_count, summary)
     return iter(ds)
 
 

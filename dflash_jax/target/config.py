@@ -17,7 +17,13 @@ from dflash_jax.layers import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5")
 # config.json model_type -> ours (the Qwen3.5 VL wrapper and its text-only form are one family)
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+}
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -101,7 +107,9 @@ class TargetConfig:
                     f"of linear_num_key_heads={self.linear_num_key_heads}"
                 )
         elif LINEAR_ATTENTION in types:
-            raise ValueError(f"TargetConfig: linear_attention layers need model_type qwen3_5, not {self.model_type}")
+            raise ValueError(
+                f"TargetConfig: linear_attention layers need model_type qwen3_5, not {self.model_type}"
+            )
 
     @property
     def is_hybrid(self) -> bool:
@@ -142,7 +150,13 @@ class TargetConfig:
                 raise ValueError("config.json (qwen3_5) is missing its 'text_config'")
             outer = hf
             hf = dict(hf["text_config"])
-            for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id", "quantization_config"):
+            for key in (
+                "tie_word_embeddings",
+                "eos_token_id",
+                "pad_token_id",
+                "bos_token_id",
+                "quantization_config",
+            ):
                 if hf.get(key) is None and outer.get(key) is not None:
                     hf[key] = outer[key]
             if "tie_word_embeddings" in outer:  # the wrapper's flag decides lm_head tying

@@ -19,7 +19,9 @@ def heldout_batches(tokenizer, data_cfg, n_batches: int = 2) -> list[dict]:
 
     if data_cfg is None:
         return []
-    it = make_train_iterator(dataclasses.replace(data_cfg, shuffle=False, num_epochs=1), tokenizer)
+    it = make_train_iterator(
+        dataclasses.replace(data_cfg, shuffle=False, num_epochs=1), tokenizer, role="held-out"
+    )
     out = []
     for batch in it:
         out.append(batch)

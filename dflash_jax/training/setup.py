@@ -119,7 +119,9 @@ def _make_tiny_hybrid_dir(dense, seed: int, directory: Path) -> Path:
     model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
     directory.mkdir(parents=True, exist_ok=True)
     save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps({**tc.to_hf_dict(), "torch_dtype": "float32"}, indent=2))
+    (directory / "config.json").write_text(
+        json.dumps({**tc.to_hf_dict(), "torch_dtype": "float32"}, indent=2)
+    )
     return directory
 
 
