@@ -17,6 +17,7 @@ random Qwen3 target for a quick run (and the tests).
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -450,10 +451,25 @@ def add_parser(sub) -> None:
     )
 
 
+def cpu_description() -> str:
+    """CPU model and its widest vector ISA (the dev/CI boxes differ between days: AVX2 or AVX-512)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile") if f in flags] or [
+        f for f in ("avx2",) if f in flags
+    ]
+    return f"{model or 'unknown CPU'} ({', '.join(isa) or 'no AVX2'})"
+
+
 def run_compare(args) -> dict:
     which = list(COMPARES) if args.which == "all" else [args.which]
     out = {
         "machine": {
+            "cpu": cpu_description(),
             "cpus": os.cpu_count(),
             "load_avg_1m": os.getloadavg()[0],
             "backend": jax.default_backend(),
@@ -486,7 +502,7 @@ def command_line(args) -> str:
 def markdown(out: dict, args) -> str:
     m, peak = out["machine"], out["matmul_peak"]
     lines = [
-        f"Command: `{command_line(args)}`; {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
+        f"Command: `{command_line(args)}`; {m.get('cpu', 'CPU')}, {m['cpus']} CPUs, load average {m['load_avg_1m']:.1f} "
         f"at start / {m['load_avg_1m_end']:.1f} at end; jax {m['jax']} ({m['backend']}); fp32 matmul peak "
         f"measured in the run: jax {peak['jax_gflops']:.0f} GFLOP/s, torch {peak['torch_gflops']:.0f} GFLOP/s. "
         "Medians of interleaved repetitions; ratio = reference time / ours (> 1: ours faster).",

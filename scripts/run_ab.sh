@@ -59,11 +59,15 @@ PYEOF
 train() {  # name repo extra-overrides...
   local name=$1 repo=$2; shift 2
   [ -f "$OUT/$name-zlab/config.json" ] && return 0  # done by an earlier run of this script
-  seed_regen "$repo" > "$OUT/$name.log" 2>&1
-  (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo \
-      output_dir="$OUT/$name" "${TRAIN[@]}" "$@") >> "$OUT/$name.log" 2>&1
+  local resume=()  # a training stopped part-way (checkpoints kept) continues exactly where it was
+  [ -d "$OUT/$name/checkpoints" ] && resume=(--resume)
+  seed_regen "$repo" >> "$OUT/$name.log" 2>&1
+  (cd "$repo" && PYTHONPATH=$repo /usr/bin/time -v "$PY" -m dflash_jax.train --config demo "${resume[@]}" \
+      output_dir="$OUT/$name" "${TRAIN[@]}" "$@") >> "$OUT/$name.log" 2>&1 \
+    || { echo "training $name failed: see $OUT/$name.log" >&2; exit 1; }
   (cd "$repo" && PYTHONPATH=$repo "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" \
-      --out "$OUT/$name-zlab" --dtype float32) >> "$OUT/$name.log" 2>&1
+      --out "$OUT/$name-zlab" --dtype float32) >> "$OUT/$name.log" 2>&1 \
+    || { echo "export of $name failed: see $OUT/$name.log" >&2; exit 1; }
 }
 # The same regenerated data for all three (greedy regeneration by the same target is
 # deterministic; the cache keys differ between the commits, so each run's key is seeded with the
@@ -85,6 +89,7 @@ with open(sys.argv[1], "w") as f:
     f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
 PYEOF
 for name in a b c; do
+  [ -f "$OUT/$name-eval.json" ] && continue  # evaluated by an earlier run of this script
   PYTHONPATH=$NEW "$PY" -m dflash_jax.eval --target "$(PYTHONPATH=$NEW "$PY" -c 'from convert.smollm2 import smollm2_dir; print(smollm2_dir())')" \
       --drafter "$OUT/$name-zlab" --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --batch-size 32 \
       --no-baseline --no-warmup --json "$OUT/$name-eval.json" > "$OUT/$name-eval.log" 2>&1
@@ -102,4 +107,13 @@ for name, label in (("a", "(a) c3b8cc9: blocks inside the document, decay"), ("b
     rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
     st = [r["step_time_s"] for r in rows if r.get("split") == "train" and "step_time_s" in r]
     print(f"| {label} | {rows[-1]['step']} | {np.median(st):.2f} | {taus.mean():.3f} | {taus.std(ddof=1) / np.sqrt(len(taus)):.3f} | {rep['summary']['tau_pooled']:.3f} |")
+# Paired over the same prompts: the prompt-to-prompt spread cancels.
+per = {}
+for name in "abc":
+    rep = json.loads((out / f"{name}-eval.json").read_text())
+    per[name] = {r["id"]: np.mean(r["acceptance_lengths"]) for r in rep["prompts"] if r["acceptance_lengths"]}
+for x, y in (("b", "a"), ("c", "a"), ("c", "b")):
+    ids = sorted(set(per[x]) & set(per[y]))
+    d = np.array([per[x][i] - per[y][i] for i in ids])
+    print(f"paired ({x}) - ({y}) over {len(ids)} prompts: {d.mean():+.4f} +- {d.std(ddof=1) / np.sqrt(len(d)):.4f} (s.e.)")
 PYEOF
