@@ -9,7 +9,7 @@ python -m dflash_jax.bench attention [--rows 2 --length 2048 --anchors 64 --bloc
     [A*S, T] context scores computed vs the fraction the mask lets through
 python -m dflash_jax.bench generate [--target smollm2] [--batch 32 --prompt 128 --new 128]
     KV-cache generation tokens/s
-python -m dflash_jax.bench compare {target,drafter-step,eval,attention,all} [--small]
+python -m dflash_jax.bench compare {target,matmuls,drafter-step,eval,attention,all} [--small]
     ours vs the PyTorch reference side by side (``dflash_jax.bench_compare``)
 """
 

@@ -4,7 +4,8 @@
 forward + backward + AdamW, target features given, vs the same step on z-lab's
 ``DFlashDraftModel`` with a dense anchored mask; ``eval``: speculative decoding per generated
 token vs z-lab's ``dflash_generate`` on the transformers target, and plain greedy of each;
-``attention``: the anchored attention per implementation (``bench attention``'s code).
+``attention``: the anchored attention per implementation (``bench attention``'s code);
+``matmuls``: each distinct matmul shape of those models alone, jitted einsum vs torch ``linear``.
 
 Every comparison warms both sides up first (our first call, compile included, is reported
 apart), then interleaves ours / reference repetitions so machine load hits both alike, and
@@ -119,9 +120,24 @@ def load_both(path: Path):
 
 
 def target_flops(cfg, tokens: int) -> float:
-    per_layer = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    """Matmul FLOPs of the projections (q, k, v, o, gate, up, down) over ``tokens``; attention
+    scores not counted."""
+    per_layer = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
     return 2.0 * cfg.num_layers * per_layer * tokens
+
+
+def projection_shapes(cfg, tokens: int, vocab_rows: int) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of each distinct matmul of the target forward and of the drafter loss."""
+    D, H = cfg.hidden_size, cfg.head_dim
+    return {
+        "q, o": (tokens, D, cfg.num_heads * H),
+        "k, v": (tokens, D, cfg.num_kv_heads * H),
+        "gate, up": (tokens, D, cfg.intermediate_size),
+        "down": (tokens, cfg.intermediate_size, D),
+        "lm_head (loss chunk)": (vocab_rows, D, cfg.vocab_size),
+        "lm_head pullback": (vocab_rows, cfg.vocab_size, D),
+    }
 
 
 def taps_for(cfg) -> tuple[int, ...]:
@@ -422,8 +438,51 @@ def compare_attention(args) -> dict:
     return out
 
 
+def compare_matmuls(args) -> dict:
+    """Each distinct matmul shape of the target forward and the drafter loss, alone: ours as the
+    models write it (``jnp.einsum`` under jit, weights [in, out]) vs ``torch.nn.functional.linear``
+    (weights [out, in]), same fp32 inputs; ours also with the weights stored [out, in]. Says
+    whether a model-level gap is the matmuls' or what surrounds them, and whether the weight
+    layout matters."""
+    from dflash_jax.target.config import TargetConfig
+
+    cfg = TargetConfig.from_pretrained(target_dir(args.small))
+    tokens = 128 if args.small else args.rows * args.length
+    rows = 64 if args.small else 480  # the drafter step's loss chunk (1920 slots in 4 even chunks)
+    rng = np.random.default_rng(0)
+    out = {"tokens": tokens, "shapes": {}}
+    for name, (M, K, N) in projection_shapes(cfg, tokens, rows).items():
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        w = rng.standard_normal((K, N), dtype=np.float32)
+        r = _linear_pair(x, w, "MK,KN->MN", args.repeats)
+        # The same product with our weights stored [out, in] as torch's: is the layout the gap?
+        r_t = _linear_pair(x, w, "MK,NK->MN", args.repeats)
+        r["shape"] = [M, K, N]
+        r["ours_gflops"] = 2 * M * K * N / r["ours_s"] / 1e9
+        r["ref_gflops"] = 2 * M * K * N / r["ref_s"] / 1e9
+        r["ours_out_in_s"] = r_t["ours_s"]
+        r["ratio_ref_over_ours_out_in"] = r_t["ratio_ref_over_ours"]
+        out["shapes"][name] = r
+    return out
+
+
+def _linear_pair(x: np.ndarray, w: np.ndarray, spec: str, repeats: int) -> dict:
+    """``_median_pair`` of x @ w as a jitted einsum (``spec``'s weight operand is w, or w.T for
+    "...,NK->...") and as torch's ``linear``."""
+    import torch
+
+    weight = w.T if spec.split(",")[1].startswith("NK") else w
+    mm = jax.jit(lambda a, b: jnp.einsum(spec, a, b))
+    jx, jw = jnp.asarray(x), jnp.asarray(np.ascontiguousarray(weight))
+    tx, tw = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T))
+    return _median_pair(
+        lambda: mm(jx, jw).block_until_ready(), lambda: torch.nn.functional.linear(tx, tw), repeats
+    )
+
+
 COMPARES = {
     "target": compare_target,
+    "matmuls": compare_matmuls,
     "drafter-step": compare_drafter_step,
     "eval": compare_eval,
     "attention": compare_attention,
@@ -526,6 +585,15 @@ def markdown(out: dict, args) -> str:
             f"{r['ratio_ref_over_ours']:.2f} | {r['ours_gflops']:.0f} ({100 * r['ours_gflops'] / pk:.0f}%) | "
             f"{r['ours_first_call_s']:.1f} s |"
         )
+    if "matmuls" in out:
+        for name, r in out["matmuls"]["shapes"].items():
+            M, K, N = r["shape"]
+            lines.append(
+                f"| matmul alone: {name} vs torch linear | [{M},{K}]x[{K},{N}] | {r['ours_s'] * 1e3:.1f} ms "
+                f"(weights [out,in]: {r['ours_out_in_s'] * 1e3:.1f} ms, ratio {r['ratio_ref_over_ours_out_in']:.2f}) | "
+                f"{r['ref_s'] * 1e3:.1f} ms | {r['ratio_ref_over_ours']:.2f} | {r['ours_gflops']:.0f} "
+                f"({100 * r['ours_gflops'] / pk:.0f}%); torch {r['ref_gflops']:.0f} | — |"
+            )
     if "eval" in out:
         r = out["eval"]
         for name, label in (

@@ -11,11 +11,12 @@
 set -euo pipefail
 NEW=$(realpath "$1"); OUT=$(realpath -m "$2"); STEPS=${3:-70}
 PY=${PY:-$NEW/.venv/bin/python}
+REPO=$NEW
+source "$NEW/scripts/ab_lib.sh"
 OLD=$OUT/baseline-src
 mkdir -p "$OUT"
 [ -d "$OLD" ] || git -C "$NEW" worktree add --detach "$OLD" c3b8cc9
-COMMON=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128 eval.before_training=false
-        train.steps=$STEPS train.time_limit_minutes=null train.seed=0 data.seed=0)
+COMMON=("${AB_PROMPT_OVERRIDES[@]}" eval.before_training=false train.steps=$STEPS train.time_limit_minutes=null train.seed=0 data.seed=0)
 # Training runs measure no tau themselves (eval.num_prompts=0): the one evaluator below does.
 TRAIN=("${COMMON[@]}" eval.num_prompts=0)
 REGEN_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/dflash_jax/regenerated"
@@ -75,45 +76,7 @@ train() {  # name repo extra-overrides...
 train b "$NEW" train.loss_weighting=decay
 train a "$OLD"
 train c "$NEW" train.loss_weighting=dpace
-cd "$NEW"
-PYTHONPATH=$NEW "$PY" - "$OUT/prompts.jsonl" "${COMMON[@]}" <<'PYEOF'
-import json, sys
-from transformers import AutoTokenizer
-from convert.smollm2 import smollm2_dir
-from dflash_jax.training.evaluation import heldout_prompt_ids
-from dflash_jax.training.run_config import load_run_config
-cfg = load_run_config("demo", [a for a in sys.argv[2:] if a.split("=")[0].split(".")[0] in ("data", "eval")])
-ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(smollm2_dir()))
-assert len(ids) == cfg.eval.num_prompts, len(ids)
-with open(sys.argv[1], "w") as f:
-    f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
-PYEOF
-for name in a b c; do
-  [ -f "$OUT/$name-eval.json" ] && continue  # evaluated by an earlier run of this script
-  PYTHONPATH=$NEW "$PY" -m dflash_jax.eval --target "$(PYTHONPATH=$NEW "$PY" -c 'from convert.smollm2 import smollm2_dir; print(smollm2_dir())')" \
-      --drafter "$OUT/$name-zlab" --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --batch-size 32 \
-      --no-baseline --no-warmup --json "$OUT/$name-eval.json" > "$OUT/$name-eval.log" 2>&1
-done
-PYTHONPATH=$NEW "$PY" - "$OUT" <<'PYEOF'
-import json, sys, re
-from pathlib import Path
-import numpy as np
-out = Path(sys.argv[1])
-print("| recipe | steps | s/step | held-out tau (per-prompt mean) | std / sqrt(n) | tau pooled |")
-print("|---|---|---|---|---|---|")
-for name, label in (("a", "(a) c3b8cc9: blocks inside the document, decay"), ("b", "(b) new anchors + decay"), ("c", "(c) new anchors + D-PACE")):
-    rep = json.loads((out / f"{name}-eval.json").read_text())
-    taus = np.array([np.mean(r["acceptance_lengths"]) for r in rep["prompts"] if r["acceptance_lengths"]])
-    rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
-    st = [r["step_time_s"] for r in rows if r.get("split") == "train" and "step_time_s" in r]
-    print(f"| {label} | {rows[-1]['step']} | {np.median(st):.2f} | {taus.mean():.3f} | {taus.std(ddof=1) / np.sqrt(len(taus)):.3f} | {rep['summary']['tau_pooled']:.3f} |")
-# Paired over the same prompts: the prompt-to-prompt spread cancels.
-per = {}
-for name in "abc":
-    rep = json.loads((out / f"{name}-eval.json").read_text())
-    per[name] = {r["id"]: np.mean(r["acceptance_lengths"]) for r in rep["prompts"] if r["acceptance_lengths"]}
-for x, y in (("b", "a"), ("c", "a"), ("c", "b")):
-    ids = sorted(set(per[x]) & set(per[y]))
-    d = np.array([per[x][i] - per[y][i] for i in ids])
-    print(f"paired ({x}) - ({y}) over {len(ids)} prompts: {d.mean():+.4f} +- {d.std(ddof=1) / np.sqrt(len(d)):.4f} (s.e.)")
-PYEOF
+[ -f "$OUT/prompts.jsonl" ] || ab_write_prompts "$OUT/prompts.jsonl"
+ab_evaluate "$OUT" a b c
+ab_report "$OUT" "a=(a) c3b8cc9: blocks inside the document, decay" "b=(b) new anchors + decay" \
+  "c=(c) new anchors + D-PACE" --pair b-a --pair c-a --pair c-b

@@ -45,6 +45,9 @@ def test_compare_all_small(tmp_path, capsys):
         r = out[key]
         assert finite(r["ours_s"]) and finite(r["ref_s"]) and finite(r["ratio_ref_over_ours"]), key
         assert finite(r["ours_gflops"]), key
+    shapes = out["matmuls"]["shapes"]
+    assert set(shapes) >= {"q, o", "k, v", "gate, up", "down", "lm_head (loss chunk)", "lm_head pullback"}
+    assert all(finite(r["ours_gflops"]) and finite(r["ratio_ref_over_ours"]) for r in shapes.values())
     # Same weights, batch, anchors and loss on both sides: the loss before the first update agrees.
     r = out["drafter-step"]
     assert abs(r["first_loss_ours"] - r["first_loss_ref"]) < 1e-4 * abs(r["first_loss_ref"])
@@ -56,7 +59,8 @@ def test_compare_all_small(tmp_path, capsys):
     assert finite(a["xla"]["ratio_reference_over_impl"])
     text = md.read_text()
     assert "target fwd vs transformers" in text and "speculative vs z-lab" in text
-    assert text.count("\n| ") >= 6  # header + target + step + 2 eval + 2 attention rows
+    assert "matmul alone: gate, up" in text
+    assert text.count("\n| ") >= 12  # header + target + 6 matmuls + step + 2 eval + 2 attention rows
 
 
 def test_markdown_command_repeats_every_non_default_option():

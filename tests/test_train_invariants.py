@@ -11,7 +11,13 @@ from hf_fixtures import prompt_ids, tiny_target
 
 import dflash_jax
 from dflash_jax.training.anchors import anchor_candidates, sample_anchors, slot_targets
-from dflash_jax.training.loss import chunked_token_loss, default_gamma, slot_weights, target_argmax
+from dflash_jax.training.loss import (
+    chunked_token_loss,
+    default_gamma,
+    even_chunks,
+    slot_weights,
+    target_argmax,
+)
 from dflash_jax.training.run_config import TrainSection
 from dflash_jax.training.step import block_loss, drafter_loss, target_pass
 
@@ -161,10 +167,21 @@ def test_feature_noise_never_touches_labels(tiny):
     assert loss_clean != loss_noisy, "noise must reach the drafter's features"
 
 
+def test_loss_chunks_split_evenly():
+    """As few chunks as the limit allows, all one size, fewer padded items than chunks."""
+    assert even_chunks(3840, 512) == (8, 480)  # the demo's slots: no padded rows
+    rng = np.random.default_rng(0)
+    for n, limit in [(1, 1), (5, 1024), (7, 3), (1537, 512), *rng.integers(1, 5000, (50, 2)).tolist()]:
+        count, size = even_chunks(n, limit)
+        assert count == -(-n // limit) and size <= limit and 0 <= count * size - n < count, (n, limit)
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        even_chunks(10, 0)
+
+
 def test_chunked_loss_matches_dense_and_fits_memory():
     """The chunked loss equals a dense reference, and at V=151936 never holds [N, V] fp32 at once."""
     key = jax.random.key(0)
-    N, D, V = 300, 32, 1000
+    N, D, V = 301, 32, 1000  # 5 chunks of 61: the last item padded
     dh, th = jax.random.normal(key, (2, N, D))
     W = jax.random.normal(jax.random.key(1), (D, V)) * 0.3
     for kind in ("ce", "kl"):

@@ -63,6 +63,17 @@ def lm_head_logits(lm_head: jax.Array, compute_dtype=jnp.float32) -> Callable[[j
     return logits
 
 
+def even_chunks(n: int, chunk: int) -> tuple[int, int]:
+    """(count, size) of the chunks that cover n items with at most ``chunk`` each: as few chunks as
+    ``chunk`` allows, all of one size, so fewer than ``count`` items are padding instead of up to a
+    whole chunk (3840 slots in chunks of at most 512: 8 x 480, not 8 x 512 with 256 padded rows
+    going through two vocabulary-sized matmuls)."""
+    if n < 1 or chunk < 1:
+        raise ValueError(f"even_chunks needs n >= 1 and chunk >= 1, got n={n}, chunk={chunk}")
+    count = math.ceil(n / chunk)
+    return count, math.ceil(n / count)
+
+
 def chunked_token_loss(
     draft_hidden: jax.Array,
     target_hidden: jax.Array | None,
@@ -87,8 +98,7 @@ def chunked_token_loss(
     if kind not in ("ce", "kl"):
         raise ValueError(f"unknown loss kind {kind!r} (ce | kl)")
     N, D = draft_hidden.shape
-    chunk = max(1, min(chunk, N))
-    n_chunks = math.ceil(N / chunk)
+    n_chunks, chunk = even_chunks(N, chunk)
     pad = n_chunks * chunk - N
     target_logits = lm_head_logits(lm_head, compute_dtype)
     if draft_logits is None:
@@ -233,8 +243,7 @@ def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, c
     lead, D = hidden.shape[:-1], hidden.shape[-1]
     flat = jax.lax.stop_gradient(hidden).reshape(-1, D)
     N = flat.shape[0]
-    chunk = max(1, min(chunk, N))
-    n_chunks = math.ceil(N / chunk)
+    n_chunks, chunk = even_chunks(N, chunk)
     flat = jnp.pad(flat, ((0, n_chunks * chunk - N), (0, 0))).reshape(n_chunks, chunk, D)
     logits = lm_head_logits(lm_head, compute_dtype)
 

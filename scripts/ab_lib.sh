@@ -1,0 +1,35 @@
+# Shared by scripts/run_ab.sh and scripts/run_cache_ab.sh: the held-out prompts every A/B drafter is
+# evaluated on, the one evaluation command, and the report. Source it with PY (the python to use)
+# and REPO (the repository whose code evaluates) set.
+AB_PROMPT_OVERRIDES=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128)
+
+ab_write_prompts() {  # FILE: the demo's first 32 held-out prompts as token ids, one JSON line each
+  PYTHONPATH=$REPO "$PY" - "$1" "${AB_PROMPT_OVERRIDES[@]}" <<'PYEOF'
+import json, sys
+from transformers import AutoTokenizer
+from convert.smollm2 import smollm2_dir
+from dflash_jax.training.evaluation import heldout_prompt_ids
+from dflash_jax.training.run_config import load_run_config
+cfg = load_run_config("demo", sys.argv[2:])
+ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(smollm2_dir()))
+assert len(ids) == cfg.eval.num_prompts, f"{len(ids)} held-out prompts, want {cfg.eval.num_prompts}"
+with open(sys.argv[1], "w") as f:
+    f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
+PYEOF
+}
+
+ab_evaluate() {  # OUT NAME...: OUT/NAME-zlab on OUT/prompts.jsonl -> OUT/NAME-eval.json (done ones skipped)
+  local out=$1 name target; shift
+  target=$(PYTHONPATH=$REPO "$PY" -c 'from convert.smollm2 import smollm2_dir; print(smollm2_dir())')
+  for name in "$@"; do
+    [ -f "$out/$name-eval.json" ] && continue
+    PYTHONPATH=$REPO "$PY" -m dflash_jax.eval --target "$target" --drafter "$out/$name-zlab" \
+      --prompts "$out/prompts.jsonl" --max-new-tokens 128 --batch-size 32 --no-baseline --no-warmup \
+      --json "$out/$name-eval.json" > "$out/$name-eval.log" 2>&1 \
+      || { echo "evaluation of $name failed: see $out/$name-eval.log" >&2; return 1; }
+  done
+}
+
+ab_report() {  # OUT NAME=LABEL... [--pair X-Y ...]
+  PYTHONPATH=$REPO "$PY" "$REPO/scripts/ab_report.py" "$@"
+}
