@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Held-out tau at equal training wall-clock with and without the offline feature cache (issue 15,
 # item 4). Run on an otherwise idle machine; everything runs one after the other.
-#   bash scripts/run_cache_ab.sh OUT_DIR [WEIGHTING]
+#   [SEED=N] bash scripts/run_cache_ab.sh OUT_DIR [WEIGHTING]
 # Builds the demo's feature cache once (timed), trains the demo twice for its 11-minute budget
 # (online, then from the cache; same seed and data), exports both drafters and evaluates them with
 # `python -m dflash_jax.eval` on the same 32 held-out prompts x 128 new tokens as scripts/run_ab.sh.
-# Finished stages are skipped when the script is run again.
+# Finished stages are skipped when the script is run again. SEED (default 0) is train.seed: the
+# drafter's init and anchors. The cache does not depend on it, so another seed's OUT/features can be
+# copied in to skip the build.
 set -euo pipefail
 REPO=$(realpath "$(dirname "$0")/..")
 OUT=$(realpath -m "$1"); W=${2:-decay}
@@ -13,7 +15,7 @@ PY=${PY:-$REPO/.venv/bin/python}
 cd "$REPO"
 source "$REPO/scripts/ab_lib.sh"
 mkdir -p "$OUT"
-COMMON=(data.heldout_count=128 eval.num_prompts=0 eval.before_training=false train.seed=0 data.seed=0
+COMMON=(data.heldout_count=128 eval.num_prompts=0 eval.before_training=false train.seed="${SEED:-0}" data.seed=0
         train.loss_weighting="$W")
 if [ ! -f "$OUT/features/manifest.json" ]; then
   /usr/bin/time -v "$PY" -m dflash_jax.features --config demo "${COMMON[@]}" --out "$OUT/features" \
