@@ -202,6 +202,17 @@ def _dense_anchored_mask(seg, anchors, valid, S):
     return np.repeat(m, S, axis=1)
 
 
+# The drafter step's loss chunk limit (slots per vocabulary matmul), ours as in a training run.
+STEP_LOSS_CHUNK = 512
+
+
+def step_shape(args) -> tuple[int, int, int, int, int]:
+    """(block size S, drafter layers L, rows R, length T, anchors A) of the drafter step."""
+    S, L = (4, 1) if args.small else (16, 2)
+    R, T, A = (2, 64, 8) if args.small else (args.rows, args.length, args.anchors)
+    return S, L, R, T, A
+
+
 def compare_drafter_step(args) -> dict:
     import optax
     import torch
@@ -218,8 +229,7 @@ def compare_drafter_step(args) -> dict:
     path = target_dir(args.small)
     target, hf = load_both(path)
     cfg = target.config
-    S, L = (4, 1) if args.small else (16, 2)
-    R, T, A = (2, 64, 8) if args.small else (args.rows, args.length, args.anchors)
+    S, L, R, T, A = step_shape(args)
     taps = taps_for(cfg)
     dcfg = DrafterConfig.for_target(
         cfg,
@@ -267,7 +277,12 @@ def compare_drafter_step(args) -> dict:
         def loss_fn(m):
             draft = m.forward_train(feats, *batch, embeds)
             loss_i, _, _ = chunked_token_loss(
-                draft[:, :, 1:].reshape(-1, D), None, lm_head, kind="ce", chunk=512, labels=labels.reshape(-1)
+                draft[:, :, 1:].reshape(-1, D),
+                None,
+                lm_head,
+                kind="ce",
+                chunk=STEP_LOSS_CHUNK,
+                labels=labels.reshape(-1),
             )
             return jnp.sum(loss_i * jw) / jnp.sum(jw)
 
@@ -445,18 +460,20 @@ def compare_matmuls(args) -> dict:
     whether a model-level gap is the matmuls' or what surrounds them, and whether the weight
     layout matters."""
     from dflash_jax.target.config import TargetConfig
+    from dflash_jax.training.loss import even_chunks
 
     cfg = TargetConfig.from_pretrained(target_dir(args.small))
     tokens = 128 if args.small else args.rows * args.length
-    rows = 64 if args.small else 480  # the drafter step's loss chunk (1920 slots in 4 even chunks)
+    S, _, R, _, A = step_shape(args)
+    _, rows = even_chunks(R * A * (S - 1), STEP_LOSS_CHUNK)  # one loss chunk of the drafter step
     rng = np.random.default_rng(0)
     out = {"tokens": tokens, "shapes": {}}
     for name, (M, K, N) in projection_shapes(cfg, tokens, rows).items():
         x = rng.standard_normal((M, K), dtype=np.float32)
         w = rng.standard_normal((K, N), dtype=np.float32)
-        r = _linear_pair(x, w, "MK,KN->MN", args.repeats)
+        r = _linear_pair(x, w, args.repeats)
         # The same product with our weights stored [out, in] as torch's: is the layout the gap?
-        r_t = _linear_pair(x, w, "MK,NK->MN", args.repeats)
+        r_t = _linear_pair(x, w, args.repeats, weights_out_in=True)
         r["shape"] = [M, K, N]
         r["ours_gflops"] = 2 * M * K * N / r["ours_s"] / 1e9
         r["ref_gflops"] = 2 * M * K * N / r["ref_s"] / 1e9
@@ -466,12 +483,12 @@ def compare_matmuls(args) -> dict:
     return out
 
 
-def _linear_pair(x: np.ndarray, w: np.ndarray, spec: str, repeats: int) -> dict:
-    """``_median_pair`` of x @ w as a jitted einsum (``spec``'s weight operand is w, or w.T for
-    "...,NK->...") and as torch's ``linear``."""
+def _linear_pair(x: np.ndarray, w: np.ndarray, repeats: int, *, weights_out_in: bool = False) -> dict:
+    """``_median_pair`` of x @ w [K, N] as a jitted einsum (weights stored [K, N], or [N, K] with
+    ``weights_out_in``) and as torch's ``linear``."""
     import torch
 
-    weight = w.T if spec.split(",")[1].startswith("NK") else w
+    spec, weight = ("MK,NK->MN", w.T) if weights_out_in else ("MK,KN->MN", w)
     mm = jax.jit(lambda a, b: jnp.einsum(spec, a, b))
     jx, jw = jnp.asarray(x), jnp.asarray(np.ascontiguousarray(weight))
     tx, tw = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T))

@@ -15,8 +15,9 @@ PY=${PY:-$REPO/.venv/bin/python}
 cd "$REPO"
 source "$REPO/scripts/ab_lib.sh"
 mkdir -p "$OUT"
-COMMON=(data.heldout_count=128 eval.num_prompts=0 eval.before_training=false train.seed="${SEED:-0}" data.seed=0
-        train.loss_weighting="$W")
+# The A/B's held-out split (ab_lib.sh); the trainings measure no tau themselves (eval.num_prompts=0).
+COMMON=("${AB_PROMPT_OVERRIDES[@]}" eval.num_prompts=0 eval.before_training=false train.seed="${SEED:-0}"
+        data.seed=0 train.loss_weighting="$W")
 if [ ! -f "$OUT/features/manifest.json" ]; then
   /usr/bin/time -v "$PY" -m dflash_jax.features --config demo "${COMMON[@]}" --out "$OUT/features" \
     > "$OUT/features.log" 2>&1 || { echo "feature cache failed: see $OUT/features.log" >&2; exit 1; }
@@ -25,9 +26,9 @@ for name in online cached; do
   [ -f "$OUT/$name-zlab/config.json" ] && continue
   extra=(); [ "$name" = cached ] && extra=(data.features="$OUT/features")
   /usr/bin/time -v "$PY" -m dflash_jax.train --config demo --overwrite output_dir="$OUT/$name" \
-    "${COMMON[@]}" "${extra[@]}" > "$OUT/$name.log" 2>&1 || { echo "training $name failed" >&2; exit 1; }
+    "${COMMON[@]}" "${extra[@]}" > "$OUT/$name.log" 2>&1 || { echo "training $name failed: see $OUT/$name.log" >&2; exit 1; }
   "$PY" -m convert.drafter_to_hf --checkpoint "$OUT/$name" --out "$OUT/$name-zlab" --dtype float32 \
-    >> "$OUT/$name.log" 2>&1
+    >> "$OUT/$name.log" 2>&1 || { echo "export of $name failed: see $OUT/$name.log" >&2; exit 1; }
 done
 [ -f "$OUT/prompts.jsonl" ] || ab_write_prompts "$OUT/prompts.jsonl"
 ab_evaluate "$OUT" online cached
