@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
-from convert.safetensors_io import CheckpointReader
+from convert.safetensors_io import CheckpointReader, CorruptCheckpointError
 from dflash_jax.sharding import named_sharding, put_global
 from dflash_jax.target.config import TargetConfig, qkv_channel_order
 
@@ -163,6 +163,15 @@ def load_weights_into(
     left = sorted(set(variables) - covered)
     if left:
         raise KeyError(f"internal: parameters without an HF key rule: {left}")
+    for rule in rules:  # before any tensor is placed: an integer weight would be cast silently
+        layers = rule.layer_indices(config.num_layers) if rule.stacked else ()
+        for name in [rule.hf.format(i=i) for i in layers] if rule.stacked else [rule.hf]:
+            stored = reader.dtype(name)
+            if stored.kind in "biu":
+                raise CorruptCheckpointError(
+                    f"checkpoint {reader.directory}: tensor {name!r} is stored as {stored.name}, which "
+                    "cannot hold model weights (expected a floating dtype: F32, BF16, F16, F8)"
+                )
 
     for rule in rules:
         var = variables[rule.ours]

@@ -30,7 +30,13 @@ from convert.logs import add_verbose_flag, configure_logging
 from convert.safetensors_io import CheckpointReader
 from convert.speculators import MARKER_KEY, speculators_to_zlab, verifier_of
 from convert.zlab_drafter import CONFIG_FILE, EXPORT_DTYPES, hf_to_params
-from dflash_jax.checkpoint import IMPORT_KEY, is_checkpoint_dir, read_checkpoint, write_checkpoint
+from dflash_jax.checkpoint import (
+    IMPORT_KEY,
+    is_checkpoint_dir,
+    nonfinite_params,
+    read_checkpoint,
+    write_checkpoint,
+)
 from dflash_jax.cli import cli
 from dflash_jax.drafter.config import DrafterConfig
 
@@ -101,10 +107,15 @@ def read_drafter(
         raise FileNotFoundError(f"drafter path {path} does not exist")
     if is_checkpoint_dir(path):
         config, params, _ = read_checkpoint(path, step, check=check, **overrides)
-        return config, params
-    if step is not None:
-        raise ValueError(f"step={step} was given but {path} is an HF directory, not a checkpoint")
-    config, params, _ = read_hf_drafter(path, check=check, **overrides)
+    else:
+        if step is not None:
+            raise ValueError(f"step={step} was given but {path} is an HF directory, not a checkpoint")
+        config, params, _ = read_hf_drafter(path, check=check, **overrides)
+    # Every user of a drafter (eval, warm starts, import, export) reads it here: NaN weights would
+    # score tau 1.0 or train from garbage without a word.
+    bad = nonfinite_params(params)
+    if bad:
+        raise FloatingPointError(f"drafter {path}: parameters not finite: {', '.join(bad[:5])}")
     return config, params
 
 

@@ -137,6 +137,9 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files[self._where[name]].shape(name)
 
+    def dtype(self, name: str) -> np.dtype:
+        return self._files[self._where[name]].dtype(name)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(f"tensor {name!r} not found in checkpoint {self.directory}")

@@ -115,6 +115,14 @@ def write_hf_drafter(
     from safetensors.numpy import save_file
 
     tensors = params_to_hf(params, config, to_dtype(dtype))
+    # Checked after the cast, on what is written: finite float32 values beyond float16's range
+    # (65504) become inf here.
+    bad = [n for n, t in tensors.items() if t.dtype.kind not in "biu" and not np.isfinite(t).all()]
+    if bad:
+        raise FloatingPointError(
+            f"refusing to export as {dtype}: tensors not finite after the cast to {dtype} "
+            f"(values beyond its range): {', '.join(bad[:5])}; export as float32 or bfloat16"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")

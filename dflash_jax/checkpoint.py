@@ -80,7 +80,7 @@ class Checkpointer:
                 f"refusing to checkpoint step {step}: parameters not finite: {', '.join(bad[:5])}"
             )
         state = {"params": params, "opt": nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState))}
-        self.check()
+        self.wait()  # the previous save's failure names that save's step, not this one
         try:
             self.manager.save(step, args=_save_args(state, step, data_state, config), force=force)
         except Exception as e:  # noqa: BLE001 - orbax raises many types; name the step and dir

@@ -15,10 +15,12 @@ Set ``DFLASH_TRACEBACK=1`` to see the traceback of an expected failure too.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -56,6 +58,49 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+LIBRARY_LOGGERS = ("absl",)  # orbax logs through absl.logging, i.e. the Python logger "absl"
+
+
+def keep_library_logs_off_the_terminal() -> None:
+    """Orbax's INFO chatter and its worker threads' tracebacks (hundreds of lines on a full disk,
+    around the one ``error:`` line) never reach the terminal; a failure they describe surfaces as
+    our own exception. ``training.run`` keeps them in ``<run dir>/orbax.log``."""
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.propagate = False
+        if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+            logger.addHandler(logging.NullHandler())  # else logging's last resort prints warnings
+
+
+def log_library_logs_to(path: str | os.PathLike) -> None:
+    """Send the library loggers' records to ``path`` (replacing an earlier file of this process)."""
+    handler = logging.FileHandler(path, delay=True)  # no file until a record comes
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.dflash_library_log = True
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "dflash_library_log", False)]:
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def check_output_free(path: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Path:
+    """Refuse to replace what a user made: an existing file, or a non-empty directory, at an
+    output path is an error naming it (exit 2) unless ``overwrite``. Called before any work, so a
+    refused command costs nothing; returns the path."""
+    path = Path(path).expanduser()
+    if overwrite or not (path.exists() or path.is_symlink()):
+        return path
+    if path.is_dir() and not any(path.iterdir()):
+        return path
+    what = "a non-empty directory" if path.is_dir() else "a file"
+    raise FileExistsError(
+        f"{flag} {path} already exists ({what}): pass --overwrite to replace it, or choose another {flag}"
+    )
+
+
 def one_line(e: BaseException) -> str:
     """An exception as one line (multi-line messages joined with '; ')."""
     text = str(e).strip() or type(e).__name__
@@ -68,6 +113,7 @@ def cli(main: Callable[..., int | None]) -> Callable[..., int]:
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs) -> int:
+        keep_library_logs_off_the_terminal()
         try:
             rc = main(*args, **kwargs)
         except Interrupted as e:
@@ -76,7 +122,10 @@ def cli(main: Callable[..., int | None]) -> Callable[..., int]:
         except expected_errors() as e:
             if os.environ.get("DFLASH_TRACEBACK"):
                 raise
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            from dflash_jax.distributed import failure_note
+
+            note = failure_note()  # a multi-process run: the peer that died is the cause
+            print(f"error: {note + ': ' if note else ''}{one_line(e)}", file=sys.stderr, flush=True)
             return EXIT_ERROR
         return EXIT_OK if rc is None else int(rc)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,36 @@ import yaml
 
 class ConfigError(ValueError):
     pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: the plain
+    loader keeps the last one, so a second ``train:`` block silently dropped the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)  # resolve ``<<`` merges: an explicit key may override those
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                    seen[key] = seen.get(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first given on line {first})",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load(text: str):
+    """``yaml.safe_load`` that rejects duplicate keys (no arbitrary objects, as safe_load)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _is_dataclass_type(tp) -> bool:
@@ -81,11 +112,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 6e-4 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # nan passes every `<`/`>` bound check a section makes
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -148,9 +181,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: cannot parse value ({e})") from e
+        raise ConfigError(f"override {text!r}: cannot parse value ({one_line_yaml(e)})") from e
     return key.strip().split("."), value
 
 
@@ -175,14 +208,22 @@ def _deepcopy(d):
     return d
 
 
+def one_line_yaml(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: its problem and where (PyYAML prints a multi-line excerpt)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({e})") from e
+        raise ConfigError(f"{path}: invalid YAML ({one_line_yaml(e)})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return data

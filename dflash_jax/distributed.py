@@ -165,6 +165,44 @@ def initialize_from(args: argparse.Namespace | None = None) -> DistributedConfig
     return cfg
 
 
+def missing_peers() -> list[int] | None:
+    """The processes of this run that the coordination service no longer counts as alive (one
+    that died drops its connection at once; a stalled one after the heartbeat timeout), or None
+    when there is no multi-process run or it cannot be asked (the coordinator, on process 0,
+    is gone: then ``[0]`` from the other processes)."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return None
+    import jax
+
+    if not jax.distributed.is_initialized() or jax.process_count() < 2:
+        return None
+    n, me = jax.process_count(), jax.process_index()
+    try:
+        from jax._src import distributed as jax_distributed
+
+        live = jax_distributed.global_state.client.get_live_nodes(list(range(n)))
+    except Exception:  # noqa: BLE001 - the coordinator itself is unreachable
+        return [0] if me != 0 else None
+    return sorted(set(range(n)) - {int(k) for k in live})
+
+
+def failure_note() -> str | None:
+    """Who broke a multi-process run, for the one error line: ``process J of N left the run``;
+    None when every peer is alive (the failure is this process's own) or running alone."""
+    gone = missing_peers()
+    if not gone:
+        return None
+    import jax
+
+    who = ", ".join(map(str, gone))
+    return (
+        f"process {who} of {jax.process_count()} left the run (died, or stopped sending heartbeats); "
+        f"process {jax.process_index()} stopped with it"
+    )
+
+
 def exit_on_error(main):
     """Wrap an entry point's ``main``: in a multi-process run an uncaught error ends this process
     at once with exit code 1 (after printing it), and a non-zero exit code (an expected error,
@@ -183,9 +221,14 @@ def exit_on_error(main):
             import sys
             import traceback
 
-            traceback.print_exc()
+            note = failure_note()
+            if note is None or os.environ.get("DFLASH_TRACEBACK"):  # a peer's death is not our bug
+                traceback.print_exc()
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:400]
             print(
-                f"process {jax.process_index()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True
+                f"error: {note}: {detail}" if note else f"process {jax.process_index()} failed: {detail}",
+                file=sys.stderr,
+                flush=True,
             )
             sys.stdout.flush()
             os._exit(1)

@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_jax.cli import cli
+from dflash_jax.cli import check_output_free, cli
 from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES
 
 log = logging.getLogger(__name__)
@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         help="near the length limit draft full blocks (fewer compiles; last steps' acceptance may differ from z-lab)",
     )
     p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     args = p.parse_args(argv)
+    if args.json:
+        check_output_free(args.json, overwrite=args.overwrite, flag="--json")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import dflash_jax

@@ -68,6 +68,9 @@ def build(
     if cfg.data.features:
         log.info("data.features=%s is ignored while building a cache", cfg.data.features)
     setup.check_data_sources(cfg)
+    # Built online, whatever data.features says: the shards' layout applies.
+    online = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
+    setup.check_layout(online, jax.device_count(), 1)
     mesh = make_mesh(cfg.mesh)
     # The same target the trainer resolves (a tiny one is made under output_dir, as by train).
     target_dir, tok_dir = setup.resolve_target(cfg, Path(cfg.output_dir).expanduser().resolve())
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "overrides", nargs="*", help="key=value overrides of the run config, e.g. data.max_records=100"
     )
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
     if args.rows_per_shard < 1:
         p.error("--rows-per-shard must be >= 1")
     distributed.configure_logging()

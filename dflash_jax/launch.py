@@ -13,6 +13,7 @@ On a real cluster use the scheduler instead (BUILD.md, "Multi-host").
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import signal
@@ -64,6 +65,21 @@ def _describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+# What jax's coordination service prints on the survivors when a peer stops sending heartbeats
+# (dead or frozen): it then aborts them (SIGABRT), so the first process to exit is not the culprit.
+_UNHEALTHY = re.compile(r"stopped sending heartbeats\):\s*([\d,\s]+?)\s*(?:The tasks|$)")
+_LEFT = re.compile(r"process ([\d, ]+) of \d+ left the run")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): alive but never running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class LocalRun:
     """N child processes with prefixed, interleaved output; stop them all when one fails."""
 
@@ -72,6 +88,7 @@ class LocalRun:
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self._readers = []
+        self.recent: list[collections.deque] = []  # each process's last lines, to name a culprit
         for i, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
             p = subprocess.Popen(
                 cmd,
@@ -83,6 +100,7 @@ class LocalRun:
                 errors="replace",
             )
             self.procs.append(p)
+            self.recent.append(collections.deque(maxlen=200))
             self.say(f"process {i}: pid {p.pid}")
             t = threading.Thread(target=self._pump, args=(i, p), daemon=True)
             t.start()
@@ -95,7 +113,31 @@ class LocalRun:
     def _pump(self, i: int, p: subprocess.Popen) -> None:
         for line in p.stdout:
             with self._lock:
+                self.recent[i].append(line.rstrip())
                 print(f"[p{i}] {line.rstrip()}", file=self.out, flush=True)
+
+    def culprits(self, failed: int) -> tuple[list[int], str]:
+        """-> (the processes that broke the run, how), given that ``failed`` exited first: a
+        stopped process, or the ones the survivors' coordination service or our own error line
+        names; else ``failed`` itself."""
+        stopped = [i for i, p in enumerate(self.procs) if p.poll() is None and _stopped(p.pid)]
+        if stopped:
+            return stopped, "is stopped (not running: SIGSTOP?), so the others' heartbeat wait timed out"
+        with self._lock:
+            text = "\n".join(self.recent[failed])
+        named: set[int] = set()
+        for pattern in (_UNHEALTHY, _LEFT):
+            for m in pattern.finditer(text):
+                named |= {int(t) for t in re.findall(r"\d+", m.group(1))}
+        named.discard(failed)
+        if named:
+            codes = {i: self.procs[i].poll() for i in named if i < len(self.procs)}
+            how = "; ".join(
+                f"process {i} {'is still running' if rc is None else _describe(rc)}"
+                for i, rc in codes.items()
+            )
+            return sorted(codes), f"was named by process {failed} as gone (no heartbeat or connection: {how})"
+        return [failed], ""
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -134,9 +176,15 @@ class LocalRun:
                         f"process {i} (pid {self.procs[i].pid}) {_describe(rc)}; "
                         f"stopping the others ({', '.join(map(str, running)) or 'none left'})"
                     )
+                    time.sleep(0.5)  # its last lines (the coordination service names the dead peer)
+                    culprits, how = self.culprits(i)
                     self.stop_all(grace_s)
                     self._drain()
-                    self.say(f"FAILED: process {i} {_describe(rc)}")
+                    if culprits == [i]:
+                        self.say(f"FAILED: process {i} {_describe(rc)}")
+                    else:
+                        who = ", ".join(f"process {j}" for j in culprits)
+                        self.say(f"FAILED: {who} {how}; process {i} {_describe(rc)} because of it")
                     return rc if rc > 0 else 128 - rc
                 if all(c == 0 for c in codes):
                     self._drain()

@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_jax.cli import UserError, check_output_free, cli
+
 
 @dataclass(frozen=True)
 class Row:
@@ -197,7 +199,9 @@ def _parse_sweep(items: list[str]) -> dict[str, list]:
     return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes as every command (dflash_jax.cli); 3: no layout fits."""
     p = argparse.ArgumentParser(
         prog="python -m dflash_jax.mesh_experiment", description=__doc__.split("\n\n")[0]
     )
@@ -214,8 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for the estimate (H100 bf16 dense)")
     p.add_argument("--link-gbps", type=float, default=450.0, help="for the estimate (GB/s per device)")
     p.add_argument("--out", default="runs/mesh_experiment", help="directory for layouts.csv and layouts.png")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace layouts.csv/layouts.png already in --out"
+    )
     p.add_argument("overrides", nargs="*", help="config key=value overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
+    out = Path(args.out)
+    for name in ("layouts.csv", "layouts.png"):
+        check_output_free(out / name, overwrite=args.overwrite)
 
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -226,24 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         ).strip()
     import jax
 
-    from dflash_jax.config_io import ConfigError
     from dflash_jax.plan import parse_bytes
+    from dflash_jax.sharding import MeshConfig
     from dflash_jax.training.run_config import load_run_config
 
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_run_config(args.config, args.overrides)
+    for layout in args.layouts:  # a malformed one is a usage error, not a row of the table
+        MeshConfig.from_string(layout)
     devices = jax.devices()
     if args.devices:
         if args.devices > len(devices):
-            print(
+            raise UserError(
                 f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices exist "
-                f"(use --cpu to simulate {args.devices} CPU devices)",
-                file=sys.stderr,
+                f"(use --cpu to simulate {args.devices} CPU devices)"
             )
-            return 2
         devices = devices[: args.devices]
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     rows = run_experiment(
@@ -259,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         peak_tflops=args.peak_tflops,
         link_gbps=args.link_gbps,
     )
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec_line = (
         f"config {args.config}, {len(devices)} {devices[0].platform} devices, "
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if devices[0].platform == "cpu":
         print("(compiled for CPU devices: buffer sizes are a plan for any backend, not a GPU measurement)")
     print(f"outputs: {out / 'layouts.csv'}, {out / 'layouts.png'}")
-    return 0 if any(r.plan is not None for r in rows) else 1
+    return 0 if any(r.plan is not None for r in rows) else 3
 
 
 if __name__ == "__main__":

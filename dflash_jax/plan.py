@@ -423,9 +423,9 @@ def target_config_for_run(cfg):
             "target.path=tiny has no architecture before its tokenizer is read; plan a real config"
         )
     if t.path == "smollm2":
-        from dflash_jax import assets
+        from convert.smollm2 import smollm2_dir
 
-        return TargetConfig.from_pretrained(assets.smollm2_dir())
+        return TargetConfig.from_pretrained(smollm2_dir())
     path = Path(t.path)
     if not (path / "config.json").is_file():
         raise LayoutError(

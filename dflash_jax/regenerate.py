@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from dflash_jax.cli import cli
+from dflash_jax.cli import UserError, check_output_free, cli
 from dflash_jax.data import sources
 from dflash_jax.generate import SamplingConfig, generate
 
@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HF model directory of the target (or 'smollm2')")
     p.add_argument("--data", required=True, help="chat JSON/JSONL path, or 'sharegpt'")
-    p.add_argument("--out", required=True, help="output chat JSONL")
+    p.add_argument(
+        "--out", required=True, help="output chat JSONL (an existing file is kept unless --overwrite)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    # Before the target loads: a regenerated file can cost hours of accelerator time.
+    check_output_free(args.out, overwrite=args.overwrite)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
 
     from transformers import AutoTokenizer
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_thinking=thinking,
         seed=args.seed,
     )
+    if not out:
+        raise UserError(f"nothing to write to {args.out} ({args.out} left as it was): {report.summary()}")
     sources.write_chat_jsonl(args.out, out)
     print(report.summary())
     print(f"wrote {args.out}")

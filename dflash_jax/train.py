@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="continue from checkpoint STEP instead of the latest (implies --resume); later checkpoints "
+        "are moved aside to checkpoints.after-step-STEP/",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the run already in output_dir (its checkpoints, metrics)",
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     distributed.add_arguments(p)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
     distributed.initialize_from(args)  # before any jax computation
     distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
@@ -77,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(
             cfg,
-            resume=args.resume,
+            resume=args.resume or args.resume_step is not None,
+            resume_step=args.resume_step,
             overwrite=args.overwrite,
             init_from=args.init_from,
             quiet=args.quiet,

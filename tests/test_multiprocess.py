@@ -250,6 +250,88 @@ def test_dead_peer_is_named_by_the_survivor_within_the_heartbeat_timeout(tmp_pat
     assert re.search(r"unhealthy \(stopped sending heartbeats\):\s*1\b", out0), out0[-3000:]
 
 
+def test_26_6_survivor_names_the_killed_peer_in_its_one_error_line(tmp_path):
+    """Issue 26: started by JAX_* variables (no launcher), process 1 is SIGKILLed; process 0's next
+    collective fails in gloo ("Connection closed by peer", naming nobody): its error line names
+    process 1, with no traceback."""
+    from dflash_jax import launch
+
+    path = _write_module(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        from dflash_jax import distributed
+        from dflash_jax.cli import cli
+
+        @distributed.exit_on_error
+        @cli
+        def main():
+            distributed.initialize_from(None)
+            import jax
+            print("joined", distributed.allgather_json(jax.process_index()), flush=True)
+            if jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(1)
+            distributed.allgather_json("never answered")
+            print("allgather passed", flush=True)
+
+        sys.exit(main())
+        """,
+    )
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), path]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "probe_entry"],
+            env=launch.child_env(
+                base, coordinator=coordinator, num=2, index=i, devices=2, platform="cpu", heartbeat=5
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        out0, _ = procs[0].communicate(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert "joined [0, 1]" in out0 and "allgather passed" not in out0, out0[-3000:]
+    errors = [ln for ln in out0.splitlines() if ln.startswith("error:")]
+    assert errors and re.match(r"error: process 1 of 2 left the run", errors[0]), out0[-3000:]
+    assert "Traceback" not in out0, out0[-3000:]
+
+
+def test_26_6_launcher_names_a_stopped_peer_not_the_survivor_it_aborts(tmp_path):
+    """Issue 26: process 1 is SIGSTOPped; after the heartbeat timeout jax aborts process 0
+    (SIGABRT). The launcher used to report "process 0 was killed by SIGABRT"; it names process 1."""
+    path = _write_module(
+        tmp_path,
+        """
+        import os, signal
+        from dflash_jax import distributed
+        distributed.initialize_from(None)
+        import jax
+        print("joined", distributed.allgather_json(jax.process_index()), flush=True)
+        if jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        distributed.barrier("never reached by process 1")
+        """,
+    )
+    r = _launch(
+        ["--local-processes", "2", "--module", "probe_entry", "--heartbeat-timeout", "5", "--grace", "2"],
+        module_dir=path,
+        timeout=300,
+    )
+    assert r.returncode != 0, r.stdout[-3000:]
+    failed = [ln for ln in r.stdout.splitlines() if "FAILED:" in ln]
+    assert failed and re.search(r"FAILED: process 1 is stopped", failed[-1]), r.stdout[-3000:]
+
+
 # --------------------------------------------------------------------------- training end to end
 
 

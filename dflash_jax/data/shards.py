@@ -68,9 +68,10 @@ class ShardedBatchIterator:
         process_index: int = 0,
         process_count: int = 1,
     ):
-        config.rows_per_process(num_shards)  # batch_size must split evenly over the shards
-        self.num_shards = num_shards
         self.shard_ids = shards_of_process(num_shards, process_index, process_count)
+        if config.batch_size % num_shards:  # every shard gives each batch the same number of rows
+            raise ValueError(f"data.shards={num_shards} does not divide data.batch_size={config.batch_size}")
+        self.num_shards = num_shards
         self._iters = []
         for s in self.shard_ids:
             ds, report = build_train_dataset(config, tokenizer, process_index=s, process_count=num_shards)

@@ -442,6 +442,10 @@ def resolve_source(source: str) -> tuple[str, str]:
     if source == SHAREGPT:
         return sharegpt_json_path(), SHAREGPT
     path = os.path.abspath(os.path.expanduser(source))
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"data source {source!r} is a directory: list its chat JSON/JSONL files in data.sources"
+        )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data source {source!r}: no such file")
     return path, os.path.basename(path)

@@ -5,11 +5,12 @@ explicit ``stop_at_step``, or on SIGTERM/SIGINT (a second signal aborts), also w
 data; every such way out saves a checkpoint, so ``--resume`` continues the same schedule.
 
 A fresh run checkpoints its initial parameters (step 0) first. A step whose loss or gradients are
-not finite applies no update (see ``step.make_train_step``) and is counted; after
-``train.max_nonfinite_steps`` of them in a row the run stops with :class:`TrainingDiverged`,
-naming the step and the last checkpoint, which is finite by construction (saves refuse
-non-finite parameters, and skipped steps never change them). Throughput excludes the first
-(compiling) step.
+not finite, or whose update is blown up (``train.max_update_ratio``), applies no update (see
+``step.apply_train_step``) and is counted; after ``train.max_nonfinite_steps`` of them in a row
+the run stops with :class:`TrainingDiverged`, naming the step and the last checkpoint, which holds
+only updates that passed that check (saves refuse non-finite parameters, skipped steps never
+change them, and no checkpoint is written while steps are being skipped). Throughput excludes
+the first (compiling) step.
 
 Learning rate: linear warm-up over ``train.warmup_steps``, then a cosine down to
 ``end_lr_ratio * learning_rate`` at the schedule's last step. That last step is ``train.steps``,
@@ -125,6 +126,20 @@ class LoopResult:
     skipped_steps: int = 0
 
 
+def skip_reason(metrics, train: TrainSection) -> str:
+    """Why the step check (``step.apply_train_step``) rejected a step, in words."""
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return f"loss {loss}, grad norm {grad_norm}: not finite"
+    ratio = float(metrics.get("update_ratio", 0.0))
+    if not math.isfinite(ratio) or ratio > train.max_update_ratio:
+        return (
+            f"loss {loss:.4g}: blown-up update, {ratio:.3g} times the parameters' norm "
+            f"(train.max_update_ratio={train.max_update_ratio:g})"
+        )
+    return f"loss {loss:.4g}, grad norm {grad_norm:.4g}: updated parameters not finite"
+
+
 def learning_rate(train: TrainSection, step: int, decay_steps: int) -> float:
     """The rate of update ``step`` (0-based): what ``optax.warmup_cosine_decay_schedule(0, peak,
     warmup_steps, decay_steps, end)`` gives, with ``decay_steps`` chosen at run time."""
@@ -224,8 +239,10 @@ def train_loop(
                 in_a_row += 1
                 skipped_total += 1
                 log.warning(
-                    "step %d: loss %s, grad norm %s: not finite, no update applied (%d in a row)",
-                    *(step, loss, float(metrics["grad_norm"]), in_a_row),
+                    "step %d: %s, no update applied (%d in a row)",
+                    step,
+                    skip_reason(metrics, train),
+                    in_a_row,
                 )
             else:
                 in_a_row = 0
@@ -257,10 +274,10 @@ def train_loop(
                 window_t, window_tokens = clock(), 0
             if in_a_row >= train.max_nonfinite_steps:
                 raise TrainingDiverged(
-                    f"loss or gradients not finite for {in_a_row} steps in a row (train.max_nonfinite_steps="
-                    f"{train.max_nonfinite_steps}; no update was applied for them): stopped at step {step}; "
-                    f"kept checkpoint: step {last_saved} (every parameter finite). Lower "
-                    "train.learning_rate and --resume from it"
+                    f"{in_a_row} steps in a row skipped (train.max_nonfinite_steps={train.max_nonfinite_steps}; "
+                    f"no update was applied for them), the last: {skip_reason(metrics, train)}: stopped at "
+                    f"step {step}; kept checkpoint: step {last_saved} (made only of steps that passed the "
+                    f"check). Lower train.learning_rate and --resume-step {last_saved}"
                 )
             if step % train.checkpoint_every == 0 and not in_a_row:
                 save(step, False, waiter.get_state())

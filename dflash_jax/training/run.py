@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from dflash_jax import distributed
+from dflash_jax.cli import log_library_logs_to
 from dflash_jax.config_io import ConfigError
 from dflash_jax.sharding import BATCH_AXES, logical_sharding, make_mesh, shard_module
 from dflash_jax.training.run_config import RunConfig
@@ -32,6 +33,7 @@ def run(
     cfg: RunConfig,
     *,
     resume: bool = False,
+    resume_step: int | None = None,
     overwrite: bool = False,
     init_from: str | None = None,
     quiet: bool = False,
@@ -41,7 +43,8 @@ def run(
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
     ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``plan.check_run_fits``).
-    ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
+    ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
+    aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
     a later ``resume=True`` run continues the same schedule. Before any model is built the data
     sources are found, the output dir is checked (one run per dir: ``overwrite`` replaces an old
     run, ``resume`` must not change what shapes the model or the data) and made sure writable.
@@ -63,6 +66,7 @@ def run(
 
     t_start = time.perf_counter()
     setup.check_data_sources(cfg)
+    setup.check_layout(cfg, jax.device_count(), jax.process_count())
     primary = distributed.is_primary()  # the one process that logs and writes outputs
     # One process prepares (or replaces) the output dir; the others wait for it.
     if primary:
@@ -70,8 +74,11 @@ def run(
     distributed.barrier("prepare_run_dir")
     if not primary:
         run_dir = Path(cfg.output_dir).resolve()
+    else:  # orbax's own log: kept with the run, out of the terminal (dflash_jax.cli)
+        log_library_logs_to(run_dir / "orbax.log")
+    resume = resume or resume_step is not None
     if resume:
-        stored, _ = read_checkpoint_config(run_dir)
+        stored, _ = read_checkpoint_config(run_dir, resume_step)
         changed = run_dirs.check_resume_config(stored, cfg.to_dict())
         if changed:
             log.info("resuming with changed settings: %s", ", ".join(changed))
@@ -119,12 +126,16 @@ def run(
     resolved["target_dir"] = str(target_dir)
     if primary:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    if resume_step is not None:  # before orbax lists the steps: later ones would shadow this one
+        if primary:
+            run_dirs.set_aside_checkpoints(run_dir, resume_step)
+        distributed.barrier("set_aside_checkpoints")
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
     start_step, data_state = 0, None
     if resume:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
-        meta = ckpt.restore(drafter, optimizer, mesh=mesh)
+        meta = ckpt.restore(drafter, optimizer, step=resume_step, mesh=mesh)
         start_step, data_state = int(meta["step"]), meta.get("data_state")
         log.info("resumed from step %d", start_step)
     if cfg.data.features:  # stored target outputs instead of the target (training/feature_cache.py)

@@ -116,7 +116,10 @@ class TrainSection:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     time_limit_minutes: float | None = None  # stop (and checkpoint) after this much training time
-    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss/gradient
+    max_nonfinite_steps: int = 3  # stop after this many skipped steps in a row (non-finite or blown up)
+    # A step whose update's norm exceeds this many times the parameters' norm is skipped as blown up
+    # (a sane step moves the parameters by a small fraction of their norm)
+    max_update_ratio: float = 10.0
 
     def __post_init__(self):
         check_fields(self)
@@ -132,6 +135,8 @@ class TrainSection:
             raise ValueError(f"train.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.micro_batches < 1:
             raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
+        if self.max_update_ratio <= 0:
+            raise ValueError(f"train.max_update_ratio must be > 0, got {self.max_update_ratio}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
         for name in (

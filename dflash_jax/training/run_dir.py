@@ -20,7 +20,16 @@ from pathlib import Path
 from dflash_jax.config_io import ConfigError
 
 # Files a run writes into its directory (removed by --overwrite). Cached artefacts live elsewhere.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.png", "tensorboard", "config.json", "eval_*.json")
+RUN_FILES = (
+    "checkpoints",
+    "checkpoints.after-step-*",
+    "metrics.jsonl",
+    "orbax.log",
+    "metrics.png",
+    "tensorboard",
+    "config.json",
+    "eval_*.json",
+)
 
 # Dotted config keys that may differ between a checkpoint and the run resuming it (fnmatch).
 SAFE_ON_RESUME = (
@@ -40,6 +49,7 @@ SAFE_ON_RESUME = (
     "train.keep_checkpoints",
     "train.time_limit_minutes",
     "train.max_nonfinite_steps",
+    "train.max_update_ratio",
     "eval.*",
     "mesh.*",
     "drafter.attention_impl",
@@ -83,6 +93,30 @@ def prepare(run_dir: str | Path, *, resume: bool, overwrite: bool) -> Path:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     check_writable(run_dir)
     return run_dir
+
+
+def set_aside_checkpoints(run_dir: Path, step: int) -> list[int]:
+    """Resuming from ``step`` (``--resume-step``): move the checkpoints after it into
+    ``checkpoints.after-step-<step>/`` (nothing is deleted; orbax would otherwise keep resuming,
+    or refuse to save, past them). Raises ConfigError naming the steps there when ``step`` has
+    no checkpoint; returns the steps moved."""
+    ckpt_dir = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    if step not in steps:
+        raise ConfigError(
+            f"--resume-step {step}: no checkpoint of step {step} in {ckpt_dir}; steps there: {steps}"
+        )
+    later = [s for s in steps if s > step]
+    if later:
+        aside = run_dir / f"checkpoints.after-step-{step}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = run_dir / f"checkpoints.after-step-{step}.{n}"
+        aside.mkdir()
+        for s in later:
+            (ckpt_dir / str(s)).rename(aside / str(s))
+    return later
 
 
 def check_writable(directory: Path) -> None:

@@ -141,16 +141,74 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
 
 
 def check_data_sources(cfg: RunConfig) -> None:
-    """Every configured data file exists (named if not), and a ``data.features`` cache is readable
-    (manifest, shard files), checked before any model is built."""
+    """The target and tokenizer directories and every configured data file exist (named by their
+    keys if not), and a ``data.features`` cache is readable (manifest, shard files), checked
+    before any model is built."""
     from dflash_jax.data.sources import resolve_source
 
+    t = cfg.target
+    # Named by their keys here: later, transformers' "Repo id must be in the form ..." names neither.
+    if t.path not in ("tiny", "smollm2") and not Path(t.path).expanduser().is_dir():
+        raise ConfigError(f"target.path={t.path}: no such directory (an HF model directory, smollm2 or tiny)")
+    if t.tokenizer not in (None, "smollm2") and not Path(t.tokenizer).expanduser().is_dir():
+        raise ConfigError(
+            f"target.tokenizer={t.tokenizer}: no such directory (a directory with the tokenizer files, "
+            "or smollm2; unset: the target's directory)"
+        )
     for source in cfg.data.sources:
         resolve_source(source)
     if cfg.data.features:
         from dflash_jax.training.feature_cache import FeatureCache
 
         FeatureCache(cfg.data.features)
+
+
+def check_layout(cfg: RunConfig, num_devices: int, process_count: int) -> tuple[int, int, int]:
+    """The batch against the mesh, the micro-batches and the data shards: checked with the rest of
+    the config, before the output dir is touched (found at the first step, 13 s in and after the
+    step-0 checkpoint, a wrong size left a run dir that refused the corrected rerun). Returns the
+    mesh's (data, fsdp, tensor) sizes."""
+    from dflash_jax.data.shards import shards_of_process
+
+    mesh = cfg.mesh
+    if mesh.num_devices is not None:
+        if not 1 <= mesh.num_devices <= num_devices:
+            raise ConfigError(f"mesh.num_devices={mesh.num_devices} but {num_devices} devices are available")
+        num_devices = mesh.num_devices
+    try:
+        data, fsdp, tensor = mesh.resolve(num_devices)
+    except ValueError as e:
+        raise ConfigError(
+            f"mesh.data={mesh.data}, mesh.fsdp={mesh.fsdp}, mesh.tensor={mesh.tensor} do not fit "
+            f"{num_devices} devices ({e}); -1 takes the devices left"
+        ) from None
+    rows, splits = cfg.data.batch_size, cfg.train.micro_batches
+    if rows % splits:
+        raise ConfigError(
+            f"train.micro_batches={splits} does not divide data.batch_size={rows}: each micro-batch takes an "
+            "equal share of the batch's rows"
+        )
+    if rows % (data * fsdp):
+        raise ConfigError(
+            f"data.batch_size={rows} rows cannot be split over mesh data x fsdp = {data} x {fsdp} = "
+            f"{data * fsdp} devices (rows are sharded over both): make data.batch_size a multiple of "
+            f"{data * fsdp}, or change mesh.data/mesh.fsdp"
+        )
+    if not cfg.data.features:
+        shards = cfg.data.shards or process_count
+        if shards < 1 or shards % process_count:
+            raise ConfigError(
+                f"data.shards={shards} must be a positive multiple of the number of processes ({process_count})"
+            )
+        if rows % shards:
+            raise ConfigError(
+                f"data.shards={shards} does not divide data.batch_size={rows}: every shard gives each "
+                "batch the same number of rows"
+            )
+        shards_of_process(shards, 0, process_count)
+    elif rows % process_count:
+        raise ConfigError(f"data.batch_size={rows} is not divisible by the {process_count} processes")
+    return data, fsdp, tensor
 
 
 def choose_mask_token_id(tokenizer, vocab_size: int) -> int:

@@ -229,10 +229,12 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
     """One optimizer update of ``drafter`` in place at ``learning_rate``; returns the step's metrics. Traced by the
     trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same.
 
-    A step whose loss, gradients or updated parameters are not all finite applies no update at
-    all (parameters and optimizer state, step counter included, stay as they were, like optax's
-    ``apply_if_finite``) and reports ``skipped = 1``; the trainer counts these and stops after a
-    configured number in a row, so parameters are finite by construction."""
+    A step whose loss, gradients or updated parameters are not all finite, or whose update is
+    blown up (its norm more than ``train.max_update_ratio`` times the parameters' norm: finite
+    parameters of 1e30 are as lost as NaN ones), applies no update at all (parameters and
+    optimizer state, step counter included, stay as they were, like optax's ``apply_if_finite``)
+    and reports ``skipped = 1``; the trainer counts these and stops after a configured number in a
+    row, so every checkpointed parameter comes from steps that passed this check."""
     if getattr(cfg, "micro_batches", 1) == 1:
 
         def loss_fn(model):
@@ -248,6 +250,12 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
     optimizer.update(drafter, grads, learning_rate=learning_rate)
     new_params = _pure(drafter, nnx.Param)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(new_params)
+    max_ratio = getattr(cfg, "max_update_ratio", None)
+    if max_ratio is not None:
+        delta = jax.tree.map(lambda n, o: (n - o).astype(jnp.float32), new_params, old_params)
+        ratio = optax.global_norm(delta) / jnp.maximum(optax.global_norm(old_params), 1e-12)
+        metrics["update_ratio"] = ratio
+        ok = ok & (ratio <= max_ratio)  # a NaN or inf ratio fails too
 
     def keep(new, old):
         return jnp.where(ok, new, old)
