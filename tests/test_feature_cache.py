@@ -177,6 +177,22 @@ def test_damaged_cache_is_named(tmp_path):
         CacheWriter(path, rows_per_shard=4)
 
 
+def test_26_10_flipped_bits_in_a_shard_are_named(tmp_path):
+    """Issue 26: the open-time check compares sizes only; a shard with flipped bits (same size)
+    fails its checksum when first read, naming the file."""
+    path, data = _write(tmp_path)
+    shard = path / "00001-features.npy"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    cache = FeatureCache(path)  # sizes still match
+    np.testing.assert_array_equal(cache.read_rows(np.array([0]))["input_ids"], data["input_ids"][[0]])
+    with pytest.raises(
+        FeatureCacheError, match=r"00001-features.npy \(features\) does not match the checksum"
+    ):
+        cache.read_rows(np.array([9]))
+
+
 def test_features_field_is_validated():
     with pytest.raises(ValueError, match="features"):
         load_run_config("tiny", ["data.features="])

@@ -170,6 +170,14 @@ def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype).name
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _save(path: Path, array: np.ndarray) -> None:
     if dtype_name(array.dtype) == "bfloat16":
         array = array.view(np.uint16)
@@ -215,7 +223,12 @@ class CacheWriter:
             self.dtypes[name] = dtype_name(array.dtype)
             path = self.tmp / f"{index:05d}-{name}.npy"
             _save(path, array)
-            files[name] = {"file": path.name, "bytes": path.stat().st_size, "shape": list(array.shape)}
+            files[name] = {
+                "file": path.name,
+                "bytes": path.stat().st_size,
+                "shape": list(array.shape),
+                "sha256": _file_sha256(path),  # checked when the shard is first read
+            }
         self.shards.append({"rows": self._pending_rows, "files": files})
         self._pending, self._pending_rows = [], 0
 
@@ -297,6 +310,12 @@ class FeatureCache:
         if key not in self._open:
             entry = self.shards[shard]["files"][name]
             f = self.path / entry["file"]
+            # Sizes are checked at open; contents here, once per shard (flipped bits keep the size).
+            if "sha256" in entry and _file_sha256(f) != entry["sha256"]:
+                raise FeatureCacheError(
+                    f"feature cache {self.path}: shard file {entry['file']} ({name}) does not match the "
+                    "checksum in the manifest (corrupt: rebuild the cache)"
+                )
             try:
                 a = np.load(f, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as e:
