@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.cli import cli
 from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES, to_dtype
 
 
@@ -258,6 +259,7 @@ def bench_target(args) -> dict:
     return out
 
 
+@cli
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)

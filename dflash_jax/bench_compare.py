@@ -522,6 +522,7 @@ def add_parser(sub) -> None:
         else:
             c.add_argument(f"--{name}", type=int, default=default)
     c.add_argument("--markdown", default=None, help="also write the tables to this file")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing --markdown file")
     c.add_argument(
         "--profile", action="store_true", help="add a jax.profiler summary of one call of ours to each table"
     )
@@ -543,6 +544,10 @@ def cpu_description() -> str:
 
 def run_compare(args) -> dict:
     which = list(COMPARES) if args.which == "all" else [args.which]
+    if args.markdown:  # before the first comparison (minutes): a file from an earlier run stays
+        from dflash_jax.cli import check_output_free
+
+        check_output_free(args.markdown, overwrite=getattr(args, "overwrite", False), flag="--markdown")
     out = {
         "machine": {
             "cpu": cpu_description(),

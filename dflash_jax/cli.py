@@ -58,7 +58,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-LIBRARY_LOGGERS = ("absl",)  # orbax logs through absl.logging, i.e. the Python logger "absl"
+# orbax logs through absl.logging (the Python logger "absl"); its async writes that fail are also
+# reported by asyncio ("Task exception was never retrieved"), when collected at exit.
+LIBRARY_LOGGERS = ("absl", "asyncio")
 
 
 def keep_library_logs_off_the_terminal() -> None:
@@ -72,9 +74,14 @@ def keep_library_logs_off_the_terminal() -> None:
             logger.addHandler(logging.NullHandler())  # else logging's last resort prints warnings
 
 
+class _LibraryLogFile(logging.FileHandler):
+    def handleError(self, record):  # noqa: N802 - a full disk must not print logging's own traceback
+        pass
+
+
 def log_library_logs_to(path: str | os.PathLike) -> None:
     """Send the library loggers' records to ``path`` (replacing an earlier file of this process)."""
-    handler = logging.FileHandler(path, delay=True)  # no file until a record comes
+    handler = _LibraryLogFile(path, delay=True)  # no file until a record comes
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.dflash_library_log = True
     for name in LIBRARY_LOGGERS:

@@ -267,7 +267,8 @@ def test_diverging_run_stops_with_a_finite_checkpoint_that_resumes(tmp_path, cap
     rc, errors = _main(argv, capsys)
     assert rc == 2 and len(errors) == 1, errors
     assert re.search(
-        r"error: 2 steps in a row skipped.*not finite.*stopped at step \d+.*kept checkpoint: step 0", errors[0]
+        r"error: 2 steps in a row skipped.*not finite.*stopped at step \d+.*kept checkpoint: step 0",
+        errors[0],
     ), errors[0]
     rows = _train_rows(run_dir)
     assert rows[-1]["skipped"] == 1 and rows[-2]["skipped"] == 1
@@ -574,6 +575,32 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     errors = _errors(capsys)
     assert len(errors) == 1 and "nothing to write" in errors[0] and "over the length limit" in errors[0]
     assert not empty.exists()
+
+    # the other commands' outputs: refused the same way, before anything loads
+    from dflash_jax import eval as eval_cli
+    from dflash_jax import mesh_experiment
+
+    report = tmp_path / "eval.json"
+    report.write_text("{}")
+    (tmp_path / "mesh").mkdir()
+    (tmp_path / "mesh" / "layouts.csv").write_text("mine")
+    missing = str(tmp_path / "missing")
+    for fn, argv, flag in [
+        (
+            eval_cli.main,
+            ["--drafter", missing, "--target", missing, "--prompts", missing, "--json", str(report)],
+            "--json",
+        ),
+        (
+            mesh_experiment.main,
+            ["--config", "tiny", "--layouts", "data=1", "--out", str(tmp_path / "mesh")],
+            "--out",
+        ),
+    ]:
+        assert fn(argv) == 2
+        errors = _errors(capsys)
+        assert len(errors) == 1 and f"{flag} " in errors[0] and "--overwrite" in errors[0], errors
+    assert report.read_text() == "{}" and (tmp_path / "mesh" / "layouts.csv").read_text() == "mine"
 
     sampled = ["--temperature", "1.0", "--max-new-tokens", "8"]  # the random target's greedy answer is blank
     assert regenerate.main([*base, *sampled, "--out", str(out), "--overwrite"]) == 0

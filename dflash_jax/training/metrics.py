@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -40,18 +41,48 @@ class MetricLogger:
                 for i, x in enumerate(arr.reshape(-1)):
                     flat[f"{k}/{i + 1}" if k == "slot_acc" else f"{k}/{i}"] = float(x)
         record = {"step": int(step), "split": prefix, **flat}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a full disk: name the file (the bare errno named nothing)
+            raise OSError(e.errno, f"cannot write {self.jsonl_path} ({e.strerror or e})") from None
         if self._tb is not None:
-            for k, v in flat.items():
-                if math.isfinite(v):
-                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
-            self._tb.flush()
+            try:
+                for k, v in flat.items():
+                    if math.isfinite(v):
+                        self._tb.add_scalar(f"{prefix}/{k}", v, step)
+                self._tb.flush()
+            except OSError as e:
+                self._abandon_tensorboard()
+                raise OSError(
+                    e.errno, f"cannot write {self.directory / 'tensorboard'} ({e.strerror or e})"
+                ) from None
+
+    def _abandon_tensorboard(self) -> None:
+        """After a failed write, drop TensorBoard's unwritten events: its exit hook would retry the
+        flush and print a traceback after our one error line."""
+        writers = getattr(self._tb, "all_writers", None) or {}
+        for w in writers.values():
+            ev = getattr(w, "event_writer", None)
+            if ev is not None:
+                worker = getattr(ev, "_worker", None)
+                if worker is not None:
+                    with contextlib.suppress(Exception):
+                        worker.stop()
+                ev._closed = True
+        self._tb = None
 
     def close(self):
-        self._jsonl.close()
+        with contextlib.suppress(OSError):  # the file's own close; a write error was already raised
+            self._jsonl.close()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as e:
+                self._abandon_tensorboard()
+                raise OSError(
+                    e.errno, f"cannot write {self.directory / 'tensorboard'} ({e.strerror or e})"
+                ) from None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -229,7 +229,8 @@ def run(
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
                 ckpt.close()
-            logger.close()
+            with contextlib.suppress(Exception):
+                logger.close()
             data_iter.close()
             raise
         ckpt.close()
