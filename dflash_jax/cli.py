@@ -6,10 +6,13 @@ Exit codes (documented in the README):
     1    a bug: an unexpected exception, printed with its traceback
     2    an expected failure: one ``error: ...`` line naming what is wrong (config, data, weights,
          I/O, a mismatch, training that diverged); nothing is left half-written
+    3    does not fit: ``train --plan`` / its pre-flight check, ``mesh_experiment`` (no layout runs)
     130  interrupted by SIGINT (Ctrl-C), after its checkpoint
     143  interrupted by SIGTERM (a scheduler's preemption), after its checkpoint
 
-Set ``DFLASH_TRACEBACK=1`` to see the traceback of an expected failure too.
+Set ``DFLASH_TRACEBACK=1`` to see the traceback of an expected failure too. Outputs that exist
+are refused unless ``--overwrite`` (:func:`check_output_free`); orbax's own logging never reaches
+the terminal (:func:`keep_library_logs_off_the_terminal`).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def run(
 
     ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``plan.check_run_fits``).
     ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
-    aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation early, exactly like a preemption (checkpoint, exit), so
-    a later ``resume=True`` run continues the same schedule. Before any model is built the data
+    aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
+    early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues
+    the same schedule. Before any model is built the data
     sources are found, the output dir is checked (one run per dir: ``overwrite`` replaces an old
     run, ``resume`` must not change what shapes the model or the data) and made sure writable.
     """
