@@ -169,6 +169,9 @@ class LocalRun:
             while True:
                 codes = [p.poll() for p in self.procs]
                 failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+                # Seen failing at once: a process killed from outside first, not one jax aborted
+                # (SIGABRT) or one that exited on its own error because of it.
+                failed.sort(key=lambda f: 0 if f[1] < 0 and -f[1] != signal.SIGABRT else 1)
                 if failed:
                     i, rc = failed[0]
                     running = [j for j, c in enumerate(codes) if c is None]
