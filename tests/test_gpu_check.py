@@ -118,7 +118,7 @@ def test_fallback_and_sweep_candidates_fit_the_budget():
     assert all(not any(budget.problems(t, 128, 4, 2, ("dq", "dkdv")).values()) for t in bwd)
 
 
-@pytest.mark.slow  # every stage in interpret mode: ~3.5 min on a loaded 2-core box
+@pytest.mark.slow  # every stage in interpret mode: 150-250 s on a 2-core box
 def test_cpu_smoke_runs_every_stage_in_under_5_minutes(tmp_path):
     t0 = time.perf_counter()
     proc, report = run_check(tmp_path)
