@@ -193,7 +193,7 @@ def bench_attention(args) -> dict:
         "visible_fraction": visible_fraction(mask),
     }
     for impl in args.impls:
-        resolved = resolve_impl(impl)
+        resolved = resolve_impl(impl, head_dim=H, groups=N // K, dtype=args.dtype, window=None)
         out[impl] = measure_attention(impl, inputs, mask, repeats=args.repeats)
         out[impl]["computed_fraction"] = pallas_frac if resolved == "pallas" else 1.0
         if resolved == "pallas":

@@ -1,190 +1,850 @@
-"""The kernel's GPU check (run by scripts/gpu_check.sh OUTDIR): correctness vs the dense reference,
-speed and memory vs ``xla``, and a short tiny-config training run with the kernel. Writes
-OUTDIR/gpu_check.json and OUTDIR/gpu_check.md (rewritten after every section, so a run cut short
-still leaves what it measured).
+"""The GPU check, as staged checks that each run in their own process with their own time budget
+(run by ``scripts/gpu_check.sh OUTDIR``; whole run < 8 min on an H200, compiles included):
 
-``--cpu-smoke`` runs every section at tiny sizes on CPU (the kernel in interpret mode) to prove the
-script works where there is no GPU.
+  env          versions, devices, what imports (tokamax, grain), the kernels' budget at the shapes below
+  compile      a small real shape: forward, forward+dq, forward+dk/dv compiled separately (a failure
+               names its kernel), trying the fallback tiles in order until each compiles
+  correctness  the kernel test base's cases (+ two larger ones) vs the dense reference, fp32 at
+               highest precision and bf16, values and gradients; tokamax where it imports
+  speed        pallas vs xla (vs tokamax) at T=8192, A=512, B=16, 32/8 heads, d=128, bf16: fwd and
+               fwd+bwd time, compiled temp memory
+  sweep        tile candidates within the budget, forward and backward kernels timed alone; the best
+               becomes the recorded default
+  train        one online training step of qwen3-8b reduced to a few layers: tokens/s and MFU
+  target       the target's packed causal attention: our tiled XLA vs tokamax (vs cuDNN where it can
+               express the mask: one document per row)
+
+OUTDIR/result.json and OUTDIR/gpu_check.md are rewritten after every stage; a stage that fails,
+crashes or runs past its budget is recorded and the next one runs. Each function is compiled once
+(``lower().compile()``), then timed. ``--cpu-smoke`` runs every stage at tiny sizes on CPU
+(kernels in interpret mode). ``--record OUTDIR`` (run in the repo after a GPU run) writes the
+validated configurations into ``pallas_kernels/anchored_attention/validated.json`` and the
+markdown into BENCHMARKS.md's GPU section.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("env", "compile", "correctness", "speed", "sweep", "train", "target")
+# Seconds per stage on an H200 (process start, imports and compiles included); sum + margin < 480.
+BUDGET_S = {"env": 15, "compile": 60, "correctness": 100, "speed": 70, "sweep": 75, "train": 90, "target": 40}
+# CPU smoke (interpret mode on a shared 2-core box): the sum stays under 5 minutes.
+SMOKE_BUDGET_S = {
+    "env": 15,
+    "compile": 45,
+    "correctness": 50,
+    "speed": 50,
+    "sweep": 35,
+    "train": 75,
+    "target": 20,
+}
+TOTAL_S = 470
+SMOKE_TOTAL_S = 290
+# bf16 dense tensor-core peak per device, for MFU.
+PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA GH200": 989.0, "NVIDIA A100": 312.0}
+BENCH_BEGIN, BENCH_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 
-from dflash_jax.bench import attention_inputs, measure_attention, pallas_computed_fraction, visible_fraction
-from pallas_kernels.anchored_attention import MASKED, context_attention
-
+# (B, T, A, S, N, K, H, dtype)
 FULL = {
-    "correctness": [  # (B, T, A, S, N, K, H, dtype)
-        (2, 1024, 64, 16, 32, 8, 128, "bfloat16"),
-        (2, 777, 37, 16, 8, 2, 64, "float32"),
-    ],
-    "speed": [(16, T, A, 16, 32, 8, 128, "bfloat16") for T in (2048, 8192) for A in (256, 512)],
-    "train_steps": 20,
+    "compile": (2, 1024, 32, 16, 32, 8, 128, "bfloat16"),
+    "correctness_extra": [(2, 1024, 64, 16, 32, 8, 128, "bfloat16"), (2, 777, 37, 16, 8, 2, 64, "float32")],
+    "correctness_cases": None,  # all of kernel_test_base.CASES
+    "correctness_dtypes": ("float32", "bfloat16"),
+    "speed": (16, 8192, 512, 16, 32, 8, 128, "bfloat16"),
+    "sweep": (8, 8192, 512, 16, 32, 8, 128, "bfloat16"),
+    "sweep_max": 8,
     "repeats": 5,
+    "train": dict(
+        layers=4, drafter_layers=1, rows=2, seq=4096, anchors=512, steps=3, impls=("pallas", "xla")
+    ),
+    "target": (2, 8192, 32, 8, 128, "bfloat16"),  # B, T, N, K, H, dtype
 }
 SMOKE = {
-    "correctness": [(1, 96, 6, 4, 4, 2, 16, "bfloat16"), (1, 77, 5, 3, 4, 1, 16, "float32")],
-    "speed": [(1, 256, 16, 16, 4, 2, 64, "bfloat16")],
-    "train_steps": 2,
+    "compile": (1, 64, 4, 4, 4, 2, 16, "bfloat16"),
+    "correctness_extra": [(1, 77, 5, 3, 4, 1, 16, "float32")],
+    "correctness_cases": ("window",),
+    "correctness_dtypes": ("bfloat16",),
+    "speed": (1, 128, 8, 4, 4, 2, 16, "bfloat16"),
+    "sweep": (1, 128, 8, 4, 4, 2, 16, "bfloat16"),
+    "sweep_max": 1,
     "repeats": 1,
+    "train": dict(layers=2, drafter_layers=1, rows=1, seq=128, anchors=4, steps=1, tiny=True, impls=("xla",)),
+    "target": (1, 128, 4, 2, 16, "float32"),
 }
 
 
-def rel_err(got, want) -> float:
+# ------------------------------------------------------------------------------------ helpers
+
+
+class StageFailed(RuntimeError):
+    """A stage that failed but has results to record (which cases, which kernels)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def _jax():
+    import jax
+
+    return jax
+
+
+def on_gpu() -> bool:
+    return _jax().default_backend() in ("gpu", "cuda")
+
+
+def timed_ms(compiled, args, repeats: int) -> float:
+    """Median milliseconds of ``compiled(*args)`` over ``repeats`` calls after one warm-up."""
+    jax = _jax()
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]
+
+
+def compile_once(fn, *args):
+    """``(compiled, seconds, temp MiB)``: one ``lower().compile()``."""
+    t0 = time.perf_counter()
+    compiled = _jax().jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    temp = mem.temp_size_in_bytes / 2**20 if mem is not None else None
+    return compiled, time.perf_counter() - t0, temp
+
+
+def shape_dict(shape):
+    return dict(zip(("B", "T", "A", "S", "N", "K", "H", "dtype"), shape, strict=True))
+
+
+def err_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:600]
+
+
+def tiles_from(prior: dict, key: str = "tiles"):
+    """The tiles an earlier stage chose (sweep's best, else compile's), or None for the default."""
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+
+    for stage in ("sweep", "compile"):
+        got = prior.get(stage, {}).get("result", {}).get("best_tiles" if stage == "sweep" else key)
+        if got:
+            return Tiles(**got)
+    return None
+
+
+def tokamax_ok() -> str | None:
+    from pallas_kernels.anchored_attention import tokamax_impl
+
+    return tokamax_impl.available()
+
+
+# --------------------------------------------------------------------------------------- stages
+
+
+def stage_env(plan, prior, outdir) -> dict:
+    import importlib.util
+
+    jax = _jax()
+    from pallas_kernels.anchored_attention import budget
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+
+    out = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "python": sys.version.split()[0],
+        "imports": {
+            m: importlib.util.find_spec(m) is not None for m in ("tokamax", "grain", "tensorboardX", "flax")
+        },
+        "tokamax": tokamax_ok() or "ok",
+    }
+    B, T, A, S, N, K, H, dtype = plan["speed"]
+    itemsize = 2 if dtype == "bfloat16" else 4
+    est = budget.estimate(Tiles.default(H, itemsize), H, N // K, itemsize)
+    out["budget"] = {
+        k: {"shared_bytes": b.shared_bytes, "registers": b.registers_per_thread} for k, b in est.items()
+    }
+    return out
+
+
+def _kernel_setup(shape, tiles, interpret, seed=0):
+    """Inputs of the three kernels at ``shape``; raises ValueError for tiles over budget."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.bench import attention_inputs
+    from pallas_kernels.anchored_attention import pallas_triton as pt
+
+    B, T, A, S, N, K, H, dtype = shape
+    (q, kc, vc, _, _), mask = attention_inputs(B, T, A, S, N, K, H, docs=3, dtype=dtype, seed=seed)
+    st, q_rows, k_p, v_p, meta = pt.kernel_inputs(
+        q, kc, vc, tuple(mask), window=None, scale=H**-0.5, interpret=interpret, tiles=tiles
+    )
+    Qp = q_rows.shape[1]
+    rng = np.random.default_rng(seed)
+    do = jnp.asarray(rng.normal(size=q_rows.shape).astype(np.float32)).astype(q_rows.dtype)
+    lse = jnp.asarray(rng.normal(size=(B, N, Qp)).astype(np.float32)) + 5.0
+    delta = jnp.asarray(rng.normal(size=(B, N, Qp)).astype(np.float32))
+    bwd_args = (q_rows, k_p, v_p, meta, do, lse, delta)
+    fns = {
+        "forward": (functools.partial(pt.forward_call, st), (q_rows, k_p, v_p, meta)),
+        "dq": (functools.partial(pt.dq_call, st), bwd_args),
+        "dkdv": (functools.partial(pt.dkdv_call, st), bwd_args),
+    }
+    return fns
+
+
+def fallback_tiles(head_dim: int, itemsize: int):
+    """Candidates in the order the compile stage tries them: the default, fewer pipeline stages,
+    smaller backward tiles, more warps, the G heads unrolled (where the budget allows)."""
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+
+    d = Tiles.default(head_dim, itemsize)
+    half = dict(block_q_bwd=max(16, d.block_q_bwd // 2), block_k_bwd=max(16, d.block_k_bwd // 2))
+    return [
+        d,
+        d.replace(num_stages=1, num_stages_bwd=1, num_stages_dkdv=1),
+        d.replace(**half),
+        d.replace(**half, num_stages_bwd=1, num_stages_dkdv=1, num_warps_bwd=8),
+        d.replace(block_q=max(16, d.block_q // 2), block_k=max(16, d.block_k // 2), **half, num_stages=1),
+        d.replace(dkdv_groups="unroll", num_stages_dkdv=1),
+    ]
+
+
+def stage_compile(plan, prior, outdir) -> dict:
+    """Forward, dq and dk/dv compiled separately; per kernel the first candidate that compiles and
+    runs. The backward kernels share their tile sizes, so dq and dk/dv pick one candidate together."""
+    shape = plan["compile"]
+    itemsize = 2 if shape[-1] == "bfloat16" else 4
+    interpret = not on_gpu()
+    tries = {"forward": [], "dq": [], "dkdv": []}
+    winners = {}
+
+    def attempt(tiles, kernels):
+        try:
+            fns = _kernel_setup(shape, tiles, interpret)
+        except ValueError as e:  # over budget: not compiled
+            for k in kernels:
+                tries[k].append({"tiles": tiles.to_dict(), "status": "over budget", "error": err_text(e)})
+            return False
+        ok = True
+        for k in kernels:
+            fn, args = fns[k]
+            try:
+                compiled, secs, temp = compile_once(fn, *args)
+                ms = timed_ms(compiled, args, 2)
+                tries[k].append({"tiles": tiles.to_dict(), "status": "ok", "compile_s": secs, "ms": ms})
+            except Exception as e:  # noqa: BLE001 - the next candidate is tried
+                tries[k].append({"tiles": tiles.to_dict(), "status": "failed", "error": err_text(e)})
+                ok = False
+        progress({"shape": shape_dict(shape), "tries": tries})
+        return ok
+
+    candidates = fallback_tiles(shape[6], itemsize)
+    for t in candidates:
+        if attempt(t, ["forward"]):
+            winners["forward"] = t
+            break
+    for t in candidates:
+        if attempt(t, ["dq", "dkdv"]):
+            winners["backward"] = t
+            break
+    out = {"shape": shape_dict(shape), "tries": tries}
+    if "forward" in winners and "backward" in winners:
+        f, b = winners["forward"], winners["backward"]
+        fwd_fields = ("block_q", "block_k", "num_warps", "num_stages")
+        out["tiles"] = b.replace(**{k: getattr(f, k) for k in fwd_fields}).to_dict()
+    failed = [k for k in ("forward", "backward") if k not in winners]
+    if failed:
+        raise StageFailed(f"no candidate tiles compiled for the {' and '.join(failed)} kernel(s)", out)
+    return out
+
+
+def _rel_err(got, want) -> float:
+    import numpy as np
+
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
 
 
-def check_correctness(shape) -> dict:
-    B, T, A, S, N, K, H, dtype = shape
-    (q, k, v, _, _), mask = attention_inputs(B, T, A, S, N, K, H, docs=3, dtype=dtype, seed=1)
-    rng = np.random.default_rng(0)
-    cot_o = jnp.asarray(rng.normal(size=q.shape).astype(np.float32))
-    cot_lse = jnp.asarray(rng.normal(size=q.shape[:-1]).astype(np.float32))
+def stage_correctness(plan, prior, outdir) -> dict:
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
 
-    def run(impl):
-        def loss(q, k, v):
-            o, lse = context_attention(q, k, v, *mask, impl=impl)
-            return jnp.sum(o * cot_o) + jnp.sum(jnp.where(lse > MASKED / 2, lse, 0.0) * cot_lse), (o, lse)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kernel_test_base import CASES, packed_case, run_impl
 
-        (_, (o, lse)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-        return o, jnp.where(lse > MASKED / 2, lse, 0.0), *g
+    from dflash_jax.bench import attention_inputs
+    from pallas_kernels.anchored_attention import MASKED, AnchoredMask
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
 
-    got, want = run("pallas"), run("reference")
-    errs = {
-        name: rel_err(a, b) for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True)
+    jax.config.update("jax_default_matmul_precision", "highest")  # this process only: fp32 without TF32
+    small = Tiles(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    chosen = tiles_from(prior)
+    interpret = not on_gpu()
+    tk = tokamax_ok() is None
+    rows = []
+
+    def compare(name, qkv, mask, window, dtype, impl, options):
+        row = {"case": name, "dtype": dtype, "impl": impl, "window": window}
+        try:
+            ref = run_impl("reference", {}, window, qkv, mask)
+            got = run_impl(impl, options, window, qkv, mask)
+            seen = np.asarray(ref[1]) > MASKED / 2
+            errs = {
+                "out": _rel_err(got[0], ref[0]),
+                "lse": _rel_err(np.where(seen, got[1], 0), np.where(seen, ref[1], 0)),
+            }
+            errs.update(
+                {n: _rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), got[2], ref[2], strict=True)}
+            )
+            tol = 2e-2 if dtype == "bfloat16" else 1e-4
+            row.update(
+                rel_err=errs,
+                tolerance=tol,
+                ok=all(np.isfinite(list(errs.values()))) and max(errs.values()) <= tol,
+            )
+        except Exception as e:  # noqa: BLE001 - one case does not stop the others
+            row.update(ok=False, error=err_text(e))
+        rows.append(row)
+        print(json.dumps(row)[:300], flush=True)
+        progress({"cases": rows})
+
+    # the real-shape cases first: a stage cut short by its budget keeps what matters most
+    for shape in plan["correctness_extra"]:
+        B, T, A, S, N, K, H, dtype = shape
+        (q, kc, vc, _, _), m = attention_inputs(B, T, A, S, N, K, H, docs=3, dtype=dtype, seed=1)
+        mask = AnchoredMask(*m)
+        options = {"interpret": interpret, **({"tiles": chosen} if chosen is not None else {})}
+        compare(f"B{B}_T{T}_A{A}_H{H}", (q, kc, vc), mask, None, dtype, "pallas", options)
+        if tk and dtype == "bfloat16" and on_gpu():
+            compare(f"B{B}_T{T}_A{A}_H{H}", (q, kc, vc), mask, None, dtype, "tokamax", {})
+    names = (
+        sorted(set(CASES) - {"one_by_one"})
+        if plan["correctness_cases"] is None
+        else plan["correctness_cases"]
+    )
+    for name in names:
+        kwargs, window = CASES[name]
+        for dtype in plan["correctness_dtypes"]:
+            qkv, mask = packed_case(**kwargs, dtype=jnp.dtype(dtype))
+            compare(name, qkv, mask, window, dtype, "pallas", {"interpret": interpret, "tiles": small})
+            if tk and window is None and dtype == "bfloat16" and on_gpu():
+                compare(name, qkv, mask, window, dtype, "tokamax", {})
+    bad = [r for r in rows if not r["ok"] and r["impl"] == "pallas"]
+    out = {
+        "cases": rows,
+        "pallas_ok": not bad,
+        "tokamax_ok": all(r["ok"] for r in rows if r["impl"] == "tokamax"),
     }
-    tol = 2e-2 if dtype == "bfloat16" else 1e-4
-    return {"shape": dict(B=B, T=T, A=A, S=S, N=N, K=K, H=H, dtype=dtype), "rel_err": errs,
-            "tolerance": tol, "ok": all(e <= tol for e in errs.values())}  # fmt: skip
+    out["tokamax_ran"] = any(r["impl"] == "tokamax" for r in rows)
+    if bad:
+        raise StageFailed(
+            f"{len(bad)} pallas case(s) off the reference: {[r['case'] + '/' + r['dtype'] for r in bad]}", out
+        )
+    return out
 
 
-def check_speed(shape, repeats) -> dict:
-    B, T, A, S, N, K, H, dtype = shape
+def _attention_fns(impl, mask, tiles):
+    import jax.numpy as jnp
+
+    from dflash_jax.drafter.attention import anchored_attention
+
+    opts = {"tiles": tiles} if impl in ("pallas", "tokamax") and tiles is not None else {}
+    if impl == "pallas" and not on_gpu():
+        opts["interpret"] = True
+
+    def fwd(q, kc, vc, kb, vb):
+        o = anchored_attention(q, kc, vc, kb, vb, mask, causal=False, window=None, impl=impl, **opts)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    return fwd, _jax().value_and_grad(fwd, argnums=(0, 1, 2, 3, 4))
+
+
+def stage_speed(plan, prior, outdir) -> dict:
+    from dflash_jax.bench import attention_inputs, pallas_computed_fraction, visible_fraction
+
+    B, T, A, S, N, K, H, dtype = plan["speed"]
     inputs, mask = attention_inputs(B, T, A, S, N, K, H, docs=4, dtype=dtype)
-    frac, unmasked = pallas_computed_fraction(mask, H)
-    row = {"shape": dict(B=B, T=T, A=A, S=S, N=N, K=K, H=H, dtype=dtype), "visible_fraction": visible_fraction(mask),
-           "computed_fraction": frac, "mask_free_tile_share": unmasked}  # fmt: skip
-    for impl in ("xla", "pallas"):
-        row[impl] = measure_attention(impl, inputs, mask, repeats=repeats)
-    if "fwd_bwd_ms" in row["xla"] and "fwd_bwd_ms" in row["pallas"]:
-        row["speedup"] = row["xla"]["fwd_bwd_ms"] / row["pallas"]["fwd_bwd_ms"]
-    return row
+    tiles = tiles_from(prior)
+    frac, unmasked = pallas_computed_fraction(mask, H, tiles)
+    out = {"shape": shape_dict(plan["speed"]), "visible_fraction": visible_fraction(mask),
+           "computed_fraction": frac, "mask_free_tile_share": unmasked,
+           "tiles": tiles.to_dict() if tiles else None}  # fmt: skip
+    impls = ["xla", "pallas"] + (["tokamax"] if tokamax_ok() is None and on_gpu() else [])
+    for impl in impls:
+        res = {}
+        fwd, fwd_bwd = _attention_fns(impl, mask, tiles)
+        for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            try:
+                compiled, secs, temp = compile_once(fn, *inputs)
+                res[f"{name}_ms"] = timed_ms(compiled, inputs, plan["repeats"])
+                res[f"{name}_temp_mib"], res[f"{name}_compile_s"] = temp, secs
+            except Exception as e:  # noqa: BLE001 - the other impls still run
+                res[f"{name}_error"] = err_text(e)
+        out[impl] = res
+        print(impl, json.dumps(res)[:300], flush=True)
+        progress(out)
+    for impl in impls[1:]:
+        if "fwd_bwd_ms" in out[impl] and "fwd_bwd_ms" in out["xla"]:
+            out[impl]["speedup_vs_xla"] = out["xla"]["fwd_bwd_ms"] / out[impl]["fwd_bwd_ms"]
+    return out
 
 
-def check_training(steps, outdir: Path) -> dict:
-    from dflash_jax.train import run
+def sweep_candidates(head_dim, groups, itemsize, limit):
+    """Forward and backward candidates within the budget, the default first."""
+    from pallas_kernels.anchored_attention import budget
+    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+
+    d = Tiles.default(head_dim, itemsize)
+    fwd = [d] + [d.replace(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+                 for bq in (64, 128) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3)]  # fmt: skip
+    bwd = [d] + [d.replace(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_warps_dkdv=wd, num_stages_bwd=s, num_stages_dkdv=s)
+                 for bq in (32, 64, 128) for bk in (32, 64, 128) for w in (4, 8) for wd in (4, 8) for s in (1, 2, 3)]  # fmt: skip
+
+    def fits(t, kernels):
+        return not any(budget.problems(t, head_dim, groups, itemsize, kernels).values())
+
+    def unique(ts):
+        seen, out = set(), []
+        for t in ts:
+            if t not in seen:
+                seen.add(t)
+                out.append(t)
+        return out
+
+    fwd = [t for t in unique(fwd) if fits(t, ("forward",))][:limit]
+    bwd = [t for t in unique(bwd) if fits(t, ("dq", "dkdv"))][:limit]
+    return fwd, bwd
+
+
+def stage_sweep(plan, prior, outdir) -> dict:
+    shape = plan["sweep"]
+    B, T, A, S, N, K, H, dtype = shape
+    itemsize = 2 if dtype == "bfloat16" else 4
+    interpret = not on_gpu()
+    fwd_c, bwd_c = sweep_candidates(H, N // K, itemsize, plan["sweep_max"])
+    deadline = time.perf_counter() + 0.8 * plan["budget_s"] - 10  # leave time to report
+    rows = []
+    for kind, cands, kernels in (("forward", fwd_c, ("forward",)), ("backward", bwd_c, ("dq", "dkdv"))):
+        for t in cands:
+            if time.perf_counter() > deadline:
+                rows.append({"kind": kind, "tiles": t.to_dict(), "status": "not run: stage budget"})
+                continue
+            row = {"kind": kind, "tiles": t.to_dict()}
+            try:
+                fns = _kernel_setup(shape, t, interpret)
+                ms = 0.0
+                for k in kernels:
+                    compiled, _, _ = compile_once(fns[k][0], *fns[k][1])
+                    ms += timed_ms(compiled, fns[k][1], plan["repeats"])
+                row.update(status="ok", ms=ms)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails is recorded
+                row.update(status="failed", error=err_text(e))
+            rows.append(row)
+            print(json.dumps(row)[:300], flush=True)
+            progress({"shape": shape_dict(shape), "rows": rows})
+    best = {}
+    for kind in ("forward", "backward"):
+        ok = [r for r in rows if r["kind"] == kind and r["status"] == "ok"]
+        if ok:
+            best[kind] = min(ok, key=lambda r: r["ms"])
+    out = {"shape": shape_dict(shape), "rows": rows}
+    if len(best) == 2:
+        fwd_fields = ("block_q", "block_k", "num_warps", "num_stages")
+        merged = dict(best["backward"]["tiles"])
+        merged.update({k: best["forward"]["tiles"][k] for k in fwd_fields})
+        out["best_tiles"] = merged
+        out["best_ms"] = {k: v["ms"] for k, v in best.items()}
+    return out
+
+
+def stage_train(plan, prior, outdir) -> dict:
+    jax = _jax()
+    import dataclasses
+
+    from dflash_jax import plan as plan_lib
+    from dflash_jax.sharding import MeshConfig
+    from dflash_jax.target.config import TargetConfig
     from dflash_jax.training.run_config import load_run_config
+    from pallas_kernels.anchored_attention import pallas_triton as pt
 
-    curves = {}
-    for impl in ("xla", "pallas"):
-        run_dir = outdir / f"tiny_{impl}"
-        overrides = [f"output_dir={run_dir}", f"drafter.attention_impl={impl}", f"train.steps={steps}",
-                     f"train.warmup_steps={min(10, steps - 1)}", "train.log_every=1", "train.checkpoint_every=100000"]  # fmt: skip
-        t0 = time.perf_counter()
-        run(load_run_config("tiny", overrides), quiet=True)
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        curves[impl] = {"losses": [r["loss"] for r in rows if r["split"] == "train"],
-                        "seconds": time.perf_counter() - t0}  # fmt: skip
-    diff = float(np.max(np.abs(np.subtract(curves["pallas"]["losses"], curves["xla"]["losses"]))))
-    return {"steps": steps, "max_abs_loss_diff": diff, **curves}
+    p = plan["train"]
+    cfg = load_run_config(
+        "qwen3-8b", [f"drafter.num_layers={p['drafter_layers']}", f"train.max_anchors={p['anchors']}"]
+    )
+    arch = dict(cfg.target.architecture, num_hidden_layers=p["layers"])
+    if p.get("tiny"):  # CPU smoke: the same code at toy widths
+        arch.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)  # fmt: skip
+    tc = TargetConfig.from_hf_dict(arch)
+    taps = tuple(range(min(p["layers"], 5)))
+    cfg = dataclasses.replace(
+        cfg,
+        drafter=dataclasses.replace(
+            cfg.drafter, target_layer_ids=list(taps), mask_token_id=tc.vocab_size - 1
+        ),
+    )
+    tiles = tiles_from(prior)
+    if tiles is not None:  # the step's kernels use the tiles the compile/sweep stages chose
+        pt.Tiles.default = classmethod(lambda cls, head_dim, itemsize=2: tiles)
+    out = {"target_layers": p["layers"], "drafter_layers": p["drafter_layers"], "rows": p["rows"],
+           "seq_len": p["seq"], "anchors": p["anchors"], "tiles": tiles.to_dict() if tiles else None}  # fmt: skip
+    kind = jax.devices()[0].device_kind
+    peak = PEAK_TFLOPS.get(kind)
+    for impl in p["impls"]:
+        c = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, attention_impl=impl))
+        spec = plan_lib.spec_for_run(c, target_config=tc, seq_len=p["seq"], batch_rows=p["rows"])
+        try:
+            lp = plan_lib.plan_layout(spec, MeshConfig(data=1), jax.devices()[:1], measure_steps=p["steps"])
+            res = {"step_s": lp.step_seconds, "tokens_per_s": lp.tokens_per_second, "compile_s": lp.compile_seconds,
+                   "tflops_per_step": lp.flops / 1e12, "peak_gib": lp.peak_bytes / 2**30}  # fmt: skip
+            res["model_tflops_per_s"] = lp.flops / lp.step_seconds / 1e12
+            if peak:
+                res["mfu"] = res["model_tflops_per_s"] / peak
+        except Exception as e:  # noqa: BLE001
+            res = {"error": err_text(e)}
+        out[impl] = res
+        print(impl, json.dumps(res), flush=True)
+        progress(out)
+    if all("error" in out[i] for i in p["impls"]):
+        raise RuntimeError(f"the training step failed with {p['impls']}: {out[p['impls'][0]]['error']}")
+    return out
+
+
+def stage_target(plan, prior, outdir) -> dict:
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.target.attention import attend, self_attention_mask
+    from pallas_kernels.anchored_attention import tokamax_impl
+
+    B, T, N, K, H, dtype = plan["target"]
+    key = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(key[0], (B, T, N, H)).astype(dtype)
+    k = jax.random.normal(key[1], (B, T, K, H)).astype(dtype)
+    v = jax.random.normal(key[2], (B, T, K, H)).astype(dtype)
+    seg = jnp.asarray(np.repeat((np.arange(T) // max(T // 4, 1) + 1)[None], B, 0), jnp.int32)
+    scale = H**-0.5
+    out = {"shape": dict(B=B, T=T, N=N, K=K, H=H, dtype=dtype, docs_per_row=4)}
+    ours_fn = lambda q, k, v, seg: attend(q, k, v, *self_attention_mask(B, T, seg), scale)
+    compiled, secs, temp = compile_once(ours_fn, q, k, v, seg)
+    out["ours"] = {
+        "ms": timed_ms(compiled, (q, k, v, seg), plan["repeats"]),
+        "compile_s": secs,
+        "temp_mib": temp,
+    }
+    ref = compiled(q, k, v, seg)
+    if tokamax_ok() is None:
+        impl = "mosaic" if on_gpu() else "xla"
+        fn = lambda q, k, v, seg: tokamax_impl.packed_causal_attention_tokamax(
+            q, k, v, seg, scale=scale, implementation=impl
+        )
+        try:
+            c, secs, temp = compile_once(fn, q, k, v, seg)
+            out[f"tokamax_{impl}"] = {"ms": timed_ms(c, (q, k, v, seg), plan["repeats"]), "compile_s": secs,
+                                      "temp_mib": temp, "rel_err_vs_ours": _rel_err(c(q, k, v, seg), ref)}  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            out[f"tokamax_{impl}"] = {"error": err_text(e)}
+    else:
+        out["tokamax"] = {"error": tokamax_ok()}
+    if on_gpu():  # cuDNN expresses top-left causal only: one document per row, timed for scale
+        one = jnp.ones_like(seg)
+        fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        try:
+            c, secs, temp = compile_once(fn, q, k, v)
+            ours1, _, _ = compile_once(ours_fn, q, k, v, one)
+            out["cudnn_one_doc"] = {"ms": timed_ms(c, (q, k, v), plan["repeats"]), "compile_s": secs,
+                                    "ours_one_doc_ms": timed_ms(ours1, (q, k, v, one), plan["repeats"]),
+                                    "rel_err_vs_ours": _rel_err(c(q, k, v), ours1(q, k, v, one))}  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            out["cudnn_one_doc"] = {"error": err_text(e)}
+    return out
+
+
+STAGE_FNS = {
+    "env": stage_env,
+    "compile": stage_compile,
+    "correctness": stage_correctness,
+    "speed": stage_speed,
+    "sweep": stage_sweep,
+    "train": stage_train,
+    "target": stage_target,
+}
+
+
+_PROGRESS: list = []  # [state file] of the stage running in this process
+
+
+def progress(result: dict) -> None:
+    """Write a stage's partial result: a stage killed at its budget keeps what it measured."""
+    if _PROGRESS:
+        _PROGRESS[0].write_text(json.dumps({"status": "running", "result": result}, indent=1, default=str))
+
+
+def run_stage(name: str, smoke: bool, state_dir: Path, budget_s: float) -> int:
+    """In the stage's own process: run it, write state_dir/NAME.json."""
+    _PROGRESS[:] = [state_dir / f"{name}.json"]
+    plan = dict(SMOKE if smoke else FULL, budget_s=budget_s)
+    prior = {p.stem: json.loads(p.read_text()) for p in state_dir.glob("*.json")}
+    inject = os.environ.get("GPU_CHECK_INJECT", "")
+    t0 = time.perf_counter()
+    try:
+        if not smoke and not on_gpu():
+            raise RuntimeError(f"no GPU backend (jax sees {_jax().devices()}); use --cpu-smoke on CPU")
+        for item in filter(None, inject.split(",")):
+            stage, _, how = item.partition(":")
+            if stage == name and how == "hang":
+                time.sleep(10**6)
+            if stage == name:
+                raise RuntimeError(f"injected failure in stage {name!r} (GPU_CHECK_INJECT)")
+        record = {"status": "ok", "result": STAGE_FNS[name](plan, prior, state_dir)}
+    except Exception as e:  # noqa: BLE001 - recorded; the orchestrator goes on
+        traceback.print_exc()
+        record = {"status": "failed", "error": err_text(e)}
+        if isinstance(e, StageFailed):
+            record["result"] = e.result
+    record["seconds"] = time.perf_counter() - t0
+    (state_dir / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
+    return 0 if record["status"] == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------- orchestrator
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# gpu_check ({report['device']}, jax {report['jax']})", ""]
-    lines += ["## kernel vs reference (relative max error)", "", "| shape | out | lse | dq | dk | dv | ok |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in report.get("correctness", []):
-        if "error" in r:
-            lines.append(f"| {r.get('shape')} | error: {r['error'][:120]} |||||| no |")
-            continue
-        e = r["rel_err"]
-        lines.append(f"| {r['shape']} | " + " | ".join(f"{e[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv"))
-                     + f" | {'yes' if r['ok'] else 'NO'} |")  # fmt: skip
-    lines += ["", "## fwd+bwd: pallas vs xla", "",
-              "| B | T | A | visible | computed | xla ms | pallas ms | speedup | xla temp MiB | pallas temp MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in report.get("speed", []):
-        if "error" in r:
-            lines.append(f"| error: {r['error'][:200]} |||||||||")
-            continue
-        s, x, p = r["shape"], r["xla"], r["pallas"]
+    env = report["stages"].get("env", {}).get("result", {})
+    lines = [f"### GPU check: {env.get('device_kind', '?')}, jax {env.get('jax', '?')}"
+             f"{' (CPU smoke)' if report['cpu_smoke'] else ''}", "",
+             "| stage | status | s | note |", "|---|---|---|---|"]  # fmt: skip
+    for name in report["order"]:
+        s = report["stages"].get(name, {})
+        note = s.get("error", "")[:160].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {name} | {s.get('status', 'not run')} | {s.get('seconds', 0):.0f} | {note} |")
 
-        def num(d, key, fmt=".1f"):
-            return format(d[key], fmt) if key in d else d.get("error", "-")[:80]
+    def res(name):
+        return report["stages"].get(name, {}).get("result") or {}
 
-        lines.append(
-            f"| {s['B']} | {s['T']} | {s['A']} | {r['visible_fraction']:.3f} | {r['computed_fraction']:.3f} | "
-            f"{num(x, 'fwd_bwd_ms')} | {num(p, 'fwd_bwd_ms')} | {num(r, 'speedup', '.2f')} | "
-            f"{num(x, 'temp_mib', '.0f')} | {num(p, 'temp_mib', '.0f')} |"
-        )
-    t = report.get("training")
-    if t:
-        lines += ["", "## tiny config training", ""]
-        if "error" in t:
-            lines.append(f"error: {t['error']}")
-        else:
-            lines.append(f"{t['steps']} steps; max |loss(pallas) - loss(xla)| = {t['max_abs_loss_diff']:.2e}; "
-                         f"final loss pallas {t['pallas']['losses'][-1]:.4f}, xla {t['xla']['losses'][-1]:.4f}")  # fmt: skip
-    lines += ["", f"total {report.get('seconds', 0):.0f} s"]
+    if res("compile").get("tiles"):
+        lines += ["", f"compile: chosen tiles `{json.dumps(res('compile')['tiles'])}`"]
+    cases = res("correctness").get("cases", [])
+    if cases:
+        lines += [
+            "",
+            "| case | dtype | impl | max rel err (out, lse, dq, dk, dv) | ok |",
+            "|---|---|---|---|---|",
+        ]
+        for r in cases:
+            errs = (
+                ", ".join(f"{r['rel_err'][k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv"))
+                if "rel_err" in r
+                else r.get("error", "")[:80]
+            )
+            lines.append(
+                f"| {r['case']} | {r['dtype']} | {r['impl']} | {errs} | {'yes' if r['ok'] else 'NO'} |"
+            )
+    sp = res("speed")
+    if sp:
+        s = sp["shape"]
+        lines += ["", f"speed at B={s['B']} T={s['T']} A={s['A']} S={s['S']} N/K={s['N']}/{s['K']} d={s['H']} {s['dtype']} "
+                  f"(visible {sp['visible_fraction']:.3f}, pallas computes {sp['computed_fraction']:.3f}):", "",
+                  "| impl | fwd ms | fwd+bwd ms | fwd+bwd temp MiB | vs xla |", "|---|---|---|---|---|"]  # fmt: skip
+        for impl in ("xla", "pallas", "tokamax"):
+            r = sp.get(impl)
+            if r is None:
+                continue
+
+            def f(key, fmt=".2f", r=r):
+                return format(r[key], fmt) if r.get(key) is not None else "-"
+
+            err = r.get("fwd_error") or r.get("fwd_bwd_error") or ""
+            lines.append(f"| {impl} | {f('fwd_ms')} | {f('fwd_bwd_ms')} | {f('fwd_bwd_temp_mib', '.0f')} | "
+                         f"{f('speedup_vs_xla')} {err[:80]} |")  # fmt: skip
+    sw = res("sweep")
+    if sw.get("best_tiles"):
+        lines += ["", f"sweep: best `{json.dumps(sw['best_tiles'])}` ({json.dumps(sw['best_ms'])} ms)"]
+    tr = res("train")
+    if tr:
+        lines += ["", f"train step (qwen3-8b, {tr['target_layers']} target / {tr['drafter_layers']} drafter layers, "
+                  f"{tr['rows']} x {tr['seq_len']} tokens, {tr['anchors']} anchors):", ""]  # fmt: skip
+        for impl in ("pallas", "xla"):
+            r = tr.get(impl, {})
+            if "error" in r:
+                lines.append(f"- {impl}: error {r['error'][:160]}")
+            elif r:
+                mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+                lines.append(
+                    f"- {impl}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s{mfu}"
+                )
+    tg = res("target")
+    if tg:
+        lines += ["", f"target attention {json.dumps(tg['shape'])}:", ""]
+        for k, r in tg.items():
+            if k != "shape":
+                lines.append(
+                    f"- {k}: "
+                    + ", ".join(f"{a}={b:.3g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items())
+                )
+    lines += ["", f"total {report['seconds']:.0f} s"]
     return "\n".join(lines) + "\n"
+
+
+def orchestrate(outdir: Path, smoke: bool, stages, budget_scale: float, total_s: float, budgets=None) -> dict:
+    outdir.mkdir(parents=True, exist_ok=True)
+    budgets = {**(SMOKE_BUDGET_S if smoke else BUDGET_S), **(budgets or {})}
+    report = {"cpu_smoke": smoke, "order": list(stages), "stages": {}, "seconds": 0.0}
+    t0 = time.perf_counter()
+    log = open(outdir / "gpu_check.log", "a")
+
+    def save():
+        report["seconds"] = time.perf_counter() - t0
+        (outdir / "result.json").write_text(json.dumps(report, indent=1, default=str))
+        (outdir / "gpu_check.md").write_text(markdown(report))
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as state:
+        state_dir = Path(state)
+        for name in stages:
+            budget_s = budgets[name] * budget_scale
+            left = total_s - (time.perf_counter() - t0)
+            if left < min(budget_s, 15):
+                report["stages"][name] = {
+                    "status": "skipped",
+                    "error": f"{left:.0f} s left of the run's {total_s:.0f} s",
+                }
+                save()
+                continue
+            budget_s = min(budget_s, left)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--run-stage", name, "--state", state,
+                   "--budget", str(budget_s)] + (["--cpu-smoke"] if smoke else [])  # fmt: skip
+            log.write(f"\n===== {name} (budget {budget_s:.0f} s) =====\n")
+            log.flush()
+            s0 = time.perf_counter()
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=budget_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            piece = state_dir / f"{name}.json"
+            rec = json.loads(piece.read_text()) if piece.exists() else {}
+            if proc.returncode == -9 and rec.get("status") in (None, "running"):  # not done at its budget
+                rec.update(
+                    status="timeout", error=f"killed at its {budget_s:.0f} s budget (results so far kept)"
+                )
+            elif rec.get("status") in (None, "running"):
+                rec.update(status="crashed", error=f"exit code {proc.returncode} (see gpu_check.log)")
+            report["stages"][name] = rec
+            report["stages"][name].setdefault("seconds", time.perf_counter() - s0)
+            print(
+                f"[{time.perf_counter() - t0:5.0f}s] {name}: {report['stages'][name]['status']}", flush=True
+            )
+            save()
+    log.close()
+    return report
+
+
+def record(outdir: Path, validated_path: Path | None = None, benchmarks: Path | None = None) -> list[dict]:
+    """After a GPU run: validated.json gets an entry per kernel that passed every correctness case
+    and beat xla fwd+bwd at the speed shape; BENCHMARKS.md's GPU section gets the markdown."""
+    from pallas_kernels.anchored_attention import validated
+
+    report = json.loads((outdir / "result.json").read_text())
+    if report.get("cpu_smoke"):
+        raise SystemExit("record: a --cpu-smoke result validates nothing")
+    st = report["stages"]
+    env, corr, speed = (st.get(k, {}).get("result") or {} for k in ("env", "correctness", "speed"))
+    rows = []
+    if speed:
+        s = speed["shape"]
+        base = dict(device_kind=env["device_kind"], head_dim=s["H"], groups=s["N"] // s["K"], dtype=s["dtype"],
+                    window=False, jax=env["jax"], date=time.strftime("%Y-%m-%d"))  # fmt: skip
+        tiles = (st.get("sweep", {}).get("result") or {}).get("best_tiles") or speed.get("tiles")
+        cand = []
+        if corr.get("pallas_ok") and speed.get("pallas", {}).get("speedup_vs_xla", 0) > 1:
+            cand.append(
+                dict(base, impl="pallas", tiles=tiles, speedup_vs_xla=speed["pallas"]["speedup_vs_xla"])
+            )
+        if (
+            corr.get("tokamax_ran")
+            and corr.get("tokamax_ok")
+            and speed.get("tokamax", {}).get("speedup_vs_xla", 0) > 1
+        ):
+            cand.append(
+                dict(base, impl="tokamax", tiles=None, speedup_vs_xla=speed["tokamax"]["speedup_vs_xla"])
+            )
+        if cand:
+            rows = [max(cand, key=lambda r: r["speedup_vs_xla"])]
+            validated.write(rows, validated_path or validated.TABLE_PATH)
+    bench = benchmarks or ROOT / "BENCHMARKS.md"
+    text = bench.read_text()
+    if BENCH_BEGIN in text and BENCH_END in text:
+        head, rest = text.split(BENCH_BEGIN, 1)
+        _, tail = rest.split(BENCH_END, 1)
+        md = (outdir / "gpu_check.md").read_text()
+        bench.write_text(f"{head}{BENCH_BEGIN}\n{md}{BENCH_END}{tail}")
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("outdir", type=Path)
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (interpret mode)")
+    p.add_argument("outdir", type=Path, nargs="?")
+    p.add_argument("--cpu-smoke", action="store_true", help="every stage at tiny sizes on CPU")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
+    p.add_argument("--inject-failure", default="", help="STAGE[:hang],...: make stages fail (tests)")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every stage's budget")
+    p.add_argument("--budgets", default="", help="STAGE=SECONDS,...: override stage budgets")
+    p.add_argument(
+        "--total", type=float, help=f"seconds for the whole run ({TOTAL_S}, smoke {SMOKE_TOTAL_S})"
+    )
+    p.add_argument("--record", action="store_true", help="write validated.json + BENCHMARKS.md from OUTDIR")
+    p.add_argument("--run-stage", help=argparse.SUPPRESS)
+    p.add_argument("--state", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    plan = SMOKE if args.cpu_smoke else FULL
-    if not args.cpu_smoke and jax.default_backend() not in ("gpu", "cuda"):
-        print("gpu_check: no GPU backend; use --cpu-smoke to exercise the script on CPU", file=sys.stderr)
-        return 2
-    jax.config.update("jax_default_matmul_precision", "highest")  # the fp32 reference without TF32
-    args.outdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    report = {
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "cpu_smoke": args.cpu_smoke,
-    }
-
-    def save():
-        report["seconds"] = time.perf_counter() - t0
-        (args.outdir / "gpu_check.json").write_text(json.dumps(report, indent=2))
-        (args.outdir / "gpu_check.md").write_text(markdown(report))
-
-    def section(name, fn, *xs):
-        try:
-            result = fn(*xs)
-        except Exception as e:  # noqa: BLE001 - record and go on with the other sections
-            traceback.print_exc()
-            result = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        print(f"[{time.perf_counter() - t0:6.0f}s] {name}: {json.dumps(result)[:400]}", flush=True)
-        return result
-
-    report["correctness"] = []
-    for shape in plan["correctness"]:
-        report["correctness"].append(section("correctness", check_correctness, shape))
-        save()
-    report["speed"] = []
-    for shape in plan["speed"]:
-        report["speed"].append(section("speed", check_speed, shape, plan["repeats"]))
-        save()
-    report["training"] = section("training", check_training, plan["train_steps"], args.outdir)
-    save()
-    ok = all(r.get("ok") for r in report["correctness"]) and "error" not in report["training"]
-    print(markdown(report))
-    return 0 if ok else 1
+    if args.run_stage:  # exit at once: the stage's result is written, runtime teardown can be slow
+        code = run_stage(args.run_stage, args.cpu_smoke, args.state, args.budget)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if args.outdir is None:
+        p.error("OUTDIR is required")
+    if args.record:
+        print(json.dumps(record(args.outdir), indent=1))
+        return 0
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        p.error(f"unknown stages {unknown}; expected a subset of {STAGES}")
+    if args.inject_failure:
+        os.environ["GPU_CHECK_INJECT"] = args.inject_failure
+    total = args.total or (SMOKE_TOTAL_S if args.cpu_smoke else TOTAL_S)
+    budgets = {k: float(v) for k, v in (item.split("=") for item in args.budgets.split(",") if item)}
+    if set(budgets) - set(STAGES):
+        p.error(f"--budgets names unknown stages {sorted(set(budgets) - set(STAGES))}")
+    report = orchestrate(args.outdir, args.cpu_smoke, stages, args.budget_scale, total, budgets)
+    print((args.outdir / "gpu_check.md").read_text())
+    return 0 if all(report["stages"][s]["status"] == "ok" for s in stages) else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kernel_test_base import CASES, ContextAttentionTestBase, packed_case
 
-from pallas_kernels.anchored_attention import api, context_attention
+from pallas_kernels.anchored_attention import api, context_attention, validated
 from pallas_kernels.anchored_attention.pallas_triton import Tiles
 from pallas_kernels.anchored_attention.tiles import context_tiles, query_tiles
 
@@ -84,11 +84,64 @@ def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
         assert api.resolve_impl("auto") == "xla"
         assert api.resolve_impl("auto") == "xla"
     assert [r.getMessage() for r in caplog.records].count(
-        "attention_impl=auto: using 'xla' on backend 'cpu'"
+        "attention_impl=auto: using 'xla' (backend 'cpu' is not a GPU)"
     ) == 1
     assert api.resolve_impl("pallas") == "pallas"
     with pytest.raises(ValueError, match="flash"):
         api.resolve_impl("flash")
+
+
+H200_ENTRY = {
+    "device_kind": "NVIDIA H200", "head_dim": 128, "groups": 4, "dtype": "bfloat16", "window": False,
+    "impl": "pallas", "tiles": Tiles(block_q=32, num_warps_dkdv=4).to_dict(), "speedup_vs_xla": 1.7,
+    "jax": "0.11.2",
+}  # fmt: skip
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """Pretend to be on an H200 whose validated table holds H200_ENTRY only."""
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(api.jax, "devices", lambda: [type("Dev", (), {"device_kind": "NVIDIA H200"})()])
+    monkeypatch.setattr(validated, "load", lambda path=None: [H200_ENTRY])
+
+
+def test_auto_picks_pallas_only_for_a_validated_gpu_configuration(on_h200):
+    shape = dict(head_dim=128, groups=4, dtype=jnp.bfloat16, window=None)
+    impl, entry, reason = api.choose_impl("auto", **shape)
+    assert (impl, entry) == ("pallas", H200_ENTRY) and "validated for (NVIDIA H200" in reason
+    for other in (dict(groups=2), dict(dtype=jnp.float32), dict(window=7), dict(head_dim=64)):
+        impl, entry, reason = api.choose_impl("auto", **{**shape, **other})
+        assert (impl, entry) == ("xla", None), other
+        assert "no GPU check has validated a kernel for (NVIDIA H200" in reason
+    assert api.choose_impl("auto")[0] == "xla"  # no shape: nothing to match
+    assert api.choose_impl("pallas", **shape)[:2] == ("pallas", None)  # explicit: as asked
+
+
+def test_auto_on_gpu_with_an_empty_table_is_xla(monkeypatch, caplog):
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(api.jax, "devices", lambda: [type("Dev", (), {"device_kind": "NVIDIA H200"})()])
+    monkeypatch.setattr(validated, "load", lambda path=None: [])
+    api._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger=api.log.name):
+        assert api.resolve_impl("auto", head_dim=128, groups=4, dtype="bfloat16", window=None) == "xla"
+    assert "no GPU check has validated" in caplog.records[0].getMessage()
+
+
+def test_validated_table_round_trip(tmp_path):
+    path = tmp_path / "validated.json"
+    assert validated.load(path) == []
+    validated.write([H200_ENTRY], path)
+    newer = {**H200_ENTRY, "speedup_vs_xla": 2.0}
+    other = {**H200_ENTRY, "groups": 8}
+    validated.write([newer, other], path)
+    rows = validated.load(path)
+    assert rows == [newer, other]  # same key replaced, sorted by key
+    assert validated.lookup("NVIDIA H200", 128, 8, "bfloat16", False, table=rows) == other
+    path.write_text('{"validated": [{"device_kind": "x"}]}')
+    with pytest.raises(ValueError, match="entry 0 lacks"):
+        validated.load(path)
+    validated.load()  # the shipped table is well formed
 
 
 def test_pallas_defaults_to_interpret_off_gpu():

@@ -21,7 +21,7 @@ from dflash_jax.layers import RopeConfig
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LayerType = Literal["full_attention", "sliding_attention"]
-AttentionImpl = Literal["auto", "pallas", "xla", "reference"]
+AttentionImpl = Literal["auto", "pallas", "tokamax", "xla", "reference"]
 # The module that must import for ``attention_impl: pallas`` (pallas_kernels needs only jax).
 PALLAS_KERNEL_MODULE = "pallas_kernels.anchored_attention"
 
@@ -35,6 +35,19 @@ def require_pallas_kernel(field_name: str) -> None:
             f"{field_name}='pallas' needs the Pallas kernel {PALLAS_KERNEL_MODULE}, which does not "
             f"import here ({e}); use 'xla'"
         ) from e
+
+
+def require_attention_impl(field_name: str, impl: str) -> None:
+    """Raise ConfigError naming ``field_name`` if ``impl`` needs something that is not installed:
+    the Pallas kernel for ``pallas``, tokamax for ``tokamax``."""
+    if impl in ("pallas", "tokamax"):
+        require_pallas_kernel(field_name)
+    if impl == "tokamax":
+        from pallas_kernels.anchored_attention import tokamax_impl
+
+        why = tokamax_impl.available()
+        if why is not None:
+            raise ConfigError(f"{field_name}='tokamax': {why}; pip install tokamax, or use 'pallas' / 'xla'")
 
 
 # Keys of a z-lab config's ``dflash_config`` sub-dict that we understand. Anything else there is a
@@ -93,9 +106,11 @@ class DrafterConfig:
     except where ``causal_in_block`` says otherwise: ``None`` follows z-lab's rule (sliding layers
     causal, full layers bidirectional), ``True``/``False`` force every layer (z-lab's ``is_causal``).
 
-    ``attention_impl``: ``auto`` (``pallas`` on GPU, ``xla`` elsewhere), ``reference`` (dense, for
-    tests), ``xla`` (anchor-chunked, memory-bounded), ``pallas`` (the kernel in ``pallas_kernels``;
-    interpret mode off GPU). ``anchor_chunk``: anchors per chunk in ``xla``.
+    ``attention_impl``: ``auto`` (on GPU the kernel a GPU check validated for this configuration,
+    ``pallas_kernels/anchored_attention/validated.json``, else ``xla``; ``xla`` off GPU),
+    ``reference`` (dense, for tests), ``xla`` (anchor-chunked, memory-bounded), ``pallas`` (the
+    kernel in ``pallas_kernels``; interpret mode off GPU), ``tokamax`` (tokamax's Hopper forward
+    with our backward; needs tokamax). ``anchor_chunk``: anchors per chunk in ``xla``.
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
     """
@@ -195,8 +210,7 @@ class DrafterConfig:
             raise ValueError(
                 f"DrafterConfig.logit_softcap must be positive or None, got {self.logit_softcap}"
             )
-        if self.attention_impl == "pallas":
-            require_pallas_kernel("DrafterConfig.attention_impl")
+        require_attention_impl("DrafterConfig.attention_impl", self.attention_impl)
 
     # ---------------------------------------------------------------------------------------
     # Derived values

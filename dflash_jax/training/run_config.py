@@ -13,7 +13,7 @@ from typing import Literal
 
 from dflash_jax.config_io import ConfigError, apply_overrides, check_fields, from_dict, load_yaml, to_dict
 from dflash_jax.data.pipeline import DataConfig
-from dflash_jax.drafter.config import AttentionImpl, LayerType, require_pallas_kernel
+from dflash_jax.drafter.config import AttentionImpl, LayerType, require_attention_impl
 from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
@@ -59,7 +59,7 @@ class DrafterSection:
     layer_types: tuple[LayerType, ...] | None = None  # per layer; default: all full_attention
     sliding_window: int | None = None  # positions a sliding_attention layer sees
     causal_in_block: bool | None = None  # default: z-lab's rule (sliding layers causal in a block)
-    attention_impl: AttentionImpl = "auto"  # pallas on GPU, xla elsewhere
+    attention_impl: AttentionImpl = "auto"  # a GPU-validated kernel (validated.json), else xla
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
 
@@ -85,8 +85,7 @@ class DrafterSection:
             raise ValueError(
                 f"drafter.target_layer_ids must be non-empty layer indices >= 0, got {self.target_layer_ids}"
             )
-        if self.attention_impl == "pallas":
-            require_pallas_kernel("drafter.attention_impl")
+        require_attention_impl("drafter.attention_impl", self.attention_impl)
 
 
 @dataclass(frozen=True)

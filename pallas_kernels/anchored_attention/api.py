@@ -7,7 +7,12 @@ Implementations (``impl``):
 * ``xla``: anchor-chunked XLA (xla.py); memory bounded by one chunk, scans all T.
 * ``pallas``: the Pallas kernels (pallas_triton.py); visits only visible context tiles. Native on
   NVIDIA GPUs; elsewhere it runs only in interpret mode (slow: tests and tiny runs).
-* ``auto``: ``pallas`` on a GPU backend, ``xla`` elsewhere; the choice is logged once.
+* ``tokamax``: tokamax's attention op (Mosaic GPU on Hopper) for the forward with its softmax
+  residuals, our backward (tokamax_impl.py); needs ``pip install tokamax``.
+* ``auto``: on a GPU, the implementation ``validated.json`` names for this configuration (device
+  kind, head_dim, G, dtype, window) -- ``pallas`` with the recorded tiles, or ``tokamax`` -- and
+  ``xla`` for any configuration no GPU check has validated; ``xla`` off GPU. Each choice is
+  logged once, with the reason.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels.anchored_attention import tokamax_impl, validated
 from pallas_kernels.anchored_attention.common import check_shapes
 from pallas_kernels.anchored_attention.reference import context_attention_reference
 from pallas_kernels.anchored_attention.xla import context_attention_xla
 
-IMPLS = ("auto", "pallas", "xla", "reference")
+IMPLS = ("auto", "pallas", "tokamax", "xla", "reference")
+GPU_BACKENDS = ("gpu", "cuda")
 BACKWARDS = ("pallas", "xla")
 
 log = logging.getLogger(__name__)
@@ -32,15 +40,36 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
-def resolve_impl(impl: str) -> str:
-    """``auto`` -> ``pallas`` where the kernel runs natively (GPU), ``xla`` elsewhere."""
+def choose_impl(
+    impl: str, *, head_dim=None, groups=None, dtype=None, window=None
+) -> tuple[str, dict | None, str]:
+    """``(impl, validated entry or None, reason)``; resolves ``auto`` (see the module docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
-        return impl
+        return impl, None, "asked for"
     backend = jax.default_backend()
-    chosen = "pallas" if backend in ("gpu", "cuda") else "xla"
-    _log_once(f"attention_impl=auto: using {chosen!r} on backend {backend!r}")
+    if backend not in GPU_BACKENDS:
+        return "xla", None, f"backend {backend!r} is not a GPU"
+    if head_dim is None:
+        return "xla", None, "no shape given to match against validated.json"
+    device_kind = jax.devices()[0].device_kind
+    dtype = jnp.dtype(dtype).name
+    entry = validated.lookup(device_kind, head_dim, groups, dtype, window is not None)
+    config = f"{device_kind}, head_dim={head_dim}, G={groups}, {dtype}, window={window is not None}"
+    if entry is None:
+        return "xla", None, f"no GPU check has validated a kernel for ({config})"
+    if entry["impl"] == "tokamax" and tokamax_impl.available() is not None:
+        return "xla", None, f"validated.json names tokamax for ({config}) but {tokamax_impl.available()}"
+    speed = entry.get("speedup_vs_xla")
+    return entry["impl"], entry, f"validated for ({config}) on jax {entry.get('jax')}, {speed}x xla fwd+bwd"
+
+
+def resolve_impl(impl: str, **shape) -> str:
+    """``choose_impl``'s implementation; logs an ``auto`` choice and its reason once."""
+    chosen, _, reason = choose_impl(impl, **shape)
+    if impl == "auto":
+        _log_once(f"attention_impl=auto: using {chosen!r} ({reason})")
     return chosen
 
 
@@ -61,6 +90,7 @@ def context_attention(
     interpret: bool | None = None,
     backward: str = "pallas",
     tiles=None,
+    tokamax_implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of block slots over the context entries they see (mask.py, invariant 3).
 
@@ -70,12 +100,24 @@ def context_attention(
 
     ``chunk``: anchors per chunk of ``xla``. ``interpret``: run ``pallas`` in interpret mode
     (default: on non-GPU backends). ``backward``: ``pallas`` kernels or ``xla`` (a debugging
-    switch: the Pallas forward with the chunked XLA backward). ``tiles``: ``pallas_triton.Tiles``.
+    switch: the Pallas forward with the chunked XLA backward; with ``tokamax``, whose backward
+    is always ours, which one). ``tiles``: ``pallas_triton.Tiles`` (default: the validated entry's,
+    else ``Tiles.default``). ``tokamax_implementation``: tokamax's ``mosaic`` (default on GPU),
+    ``triton`` or ``xla`` (default off GPU: the dense op, for tests).
     """
     check_shapes(q, k, v, ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask = (ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions)
-    impl = resolve_impl(impl)
+    asked = impl
+    impl, entry, reason = choose_impl(
+        impl, head_dim=q.shape[-1], groups=q.shape[-2] // k.shape[-2], dtype=q.dtype, window=window
+    )
+    if asked == "auto":
+        _log_once(f"attention_impl=auto: using {impl!r} ({reason})")
+    if entry is not None and tiles is None and entry.get("tiles"):
+        from pallas_kernels.anchored_attention.pallas_triton import Tiles
+
+        tiles = Tiles(**entry["tiles"])
     if impl == "reference":
         return context_attention_reference(q, k, v, *mask, window=window, scale=scale)
     if impl == "xla":
@@ -85,9 +127,20 @@ def context_attention(
     from pallas_kernels.anchored_attention import pallas_triton
 
     if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda")
+        interpret = jax.default_backend() not in GPU_BACKENDS
         if interpret:
-            _log_once("attention_impl=pallas on a non-GPU backend: running the kernel in interpret mode")
+            _log_once(
+                f"attention_impl={impl} on a non-GPU backend: running the Pallas kernels in interpret mode"
+            )
+    if impl == "tokamax":
+        why = tokamax_impl.available()
+        if why is not None:
+            raise ValueError(f"impl='tokamax': {why}; pip install tokamax, or use 'pallas' / 'xla'")
+        implementation = tokamax_implementation or ("mosaic" if not interpret else "xla")
+        return tokamax_impl.context_attention_tokamax(
+            q, k, v, *mask, window=window, scale=scale, implementation=implementation,
+            backward=backward, interpret=interpret, tiles=tiles, chunk=chunk,
+        )  # fmt: skip
     pallas = functools.partial(
         pallas_triton.context_attention_pallas, window=window, scale=scale, interpret=interpret, tiles=tiles
     )

@@ -22,17 +22,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.anchored_attention import budget
+from pallas_kernels.anchored_attention.budget import SHARED_MEMORY_BYTES  # noqa: F401 - re-exported
 from pallas_kernels.anchored_attention.common import MASKED
 from pallas_kernels.anchored_attention.tiles import cdiv, context_tiles, query_tiles
 
-# H100/H200: 227 KiB of shared memory per block; Triton keeps ``num_stages`` copies of the tiles
-# a loop streams. ``check_shared_memory`` refuses tile choices over this before Triton does.
-SHARED_MEMORY_BYTES = 227 * 1024
+DKDV_GROUPS = ("loop", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (powers of two, >= 16 for the tensor cores) and Triton launch parameters."""
+    """Tile sizes (powers of two, >= 16 for the tensor cores) and Triton launch parameters.
+
+    ``*_bwd`` tiles are shared by the dq and the dk/dv kernel (dk/dv walks dq's tile tables
+    transposed); warps and stages are per kernel. ``dkdv_groups``: how dk/dv visits the G query
+    heads of its kv head: ``loop`` (one loop over (query tile, head) pairs: 2 tiles streamed per
+    step) or ``unroll`` (the G heads in one loop body: 2G tiles per step; see ``budget.py``).
+    """
 
     block_q: int = 64
     block_k: int = 64
@@ -42,36 +48,62 @@ class Tiles:
     block_k_bwd: int = 64
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    num_warps_dkdv: int = 8
+    num_stages_dkdv: int = 2
+    dkdv_groups: str = "loop"
+
+    def __post_init__(self):
+        if self.dkdv_groups not in DKDV_GROUPS:
+            raise ValueError(f"Tiles.dkdv_groups={self.dkdv_groups!r} must be one of {DKDV_GROUPS}")
+        for name in ("num_warps", "num_warps_bwd", "num_warps_dkdv"):
+            w = getattr(self, name)
+            if w not in (1, 2, 4, 8, 16):
+                raise ValueError(f"Tiles.{name}={w} must be 1, 2, 4, 8 or 16")
+        for name in ("num_stages", "num_stages_bwd", "num_stages_dkdv"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tiles.{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def default(cls, head_dim: int) -> Tiles:
+    def default(cls, head_dim: int, itemsize: int = 2) -> Tiles:
+        """The defaults: 64 x 64 tiles (64 x 32 forward, 32 x 32 backward at head_dim 256), with
+        the warps of a kernel doubled (up to 8) while ``budget.py`` counts it over 255 registers
+        per thread (fp32 operands at head_dim 128). Untuned: no GPU run has measured them yet;
+        ``validated.py`` records what a GPU check found."""
         if head_dim <= 128:
-            return cls()
-        return cls(block_q=64, block_k=32, num_warps=8, block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8)
+            t = cls()
+        else:
+            t = cls(block_q=64, block_k=32, num_warps=8, block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8)
+        warps = {"forward": "num_warps", "dq": "num_warps_bwd", "dkdv": "num_warps_dkdv"}
+        for kernel, field in warps.items():
+            while (
+                budget.estimate(t, head_dim, 1, itemsize)[kernel].registers_per_thread
+                > budget.REGISTERS_PER_THREAD
+                and getattr(t, field) < 8
+            ):
+                t = t.replace(**{field: 2 * getattr(t, field)})
+        return t
+
+    def replace(self, **changes) -> Tiles:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-def shared_memory_estimate(tiles: Tiles, head_dim: int, itemsize: int) -> dict[str, int]:
-    """Bytes of shared memory per kernel: resident tiles plus ``num_stages`` copies of streamed ones."""
-    H = head_dim
-    fwd = tiles.block_q * H * itemsize + tiles.num_stages * 2 * tiles.block_k * H * itemsize
-    dq = 2 * tiles.block_q_bwd * H * itemsize + tiles.num_stages_bwd * 2 * tiles.block_k_bwd * H * itemsize
-    dkdv = 2 * tiles.block_k_bwd * H * itemsize + tiles.num_stages_bwd * 2 * tiles.block_q_bwd * H * itemsize
-    return {"forward": fwd, "dq": dq, "dkdv": dkdv}
+def shared_memory_estimate(tiles: Tiles, head_dim: int, itemsize: int, groups: int = 1) -> dict[str, int]:
+    """Bytes of shared memory per kernel (``budget.estimate``)."""
+    return {k: b.shared_bytes for k, b in budget.estimate(tiles, head_dim, groups, itemsize).items()}
 
 
-def check_tiles(tiles: Tiles, head_dim: int, itemsize: int) -> None:
+def check_tiles(tiles: Tiles, head_dim: int, itemsize: int, groups: int = 1) -> None:
+    """Raise ValueError for tiles the kernels cannot use or that are over ``budget.py``'s limits."""
     for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
         b = getattr(tiles, name)
         if b < 16 or b & (b - 1):
             raise ValueError(f"Tiles.{name}={b} must be a power of two >= 16")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
-    for kernel, used in shared_memory_estimate(tiles, head_dim, itemsize).items():
-        if used > SHARED_MEMORY_BYTES:
-            raise ValueError(
-                f"the {kernel} kernel needs ~{used // 1024} KiB of shared memory with {tiles}, "
-                f"over the {SHARED_MEMORY_BYTES // 1024} KiB of one GPU block: use smaller tiles"
-            )
+    budget.check(tiles, head_dim, groups, itemsize)
 
 
 def _dot(a, b, *, contract_a=1, contract_b=0):
@@ -103,16 +135,16 @@ class _Static:
     interpret: bool
 
 
-def _launch(st: _Static, bwd: bool):
+def _launch(st: _Static, kernel: str):
     t = st.tiles
     if st.interpret:
         return {"interpret": True}
-    return {
-        "compiler_params": pl_triton.CompilerParams(
-            num_warps=t.num_warps_bwd if bwd else t.num_warps,
-            num_stages=t.num_stages_bwd if bwd else t.num_stages,
-        )
-    }
+    warps, stages = {
+        "forward": (t.num_warps, t.num_stages),
+        "dq": (t.num_warps_bwd, t.num_stages_bwd),
+        "dkdv": (t.num_warps_dkdv, t.num_stages_dkdv),
+    }[kernel]
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -189,7 +221,7 @@ def _forward(st: _Static, q, k, v, meta):
             jax.ShapeDtypeStruct((B, N, Qp), jnp.float32),
         ],
         name="anchored_context_attention_fwd",
-        **_launch(st, bwd=False),
+        **_launch(st, "forward"),
     )(*qt, q, k, v, meta["q_anchor"], meta["q_seg"], meta["q_pos"], meta["c_seg"], meta["c_pos"])
 
 
@@ -225,40 +257,44 @@ def _dq_kernel(
 
 def _dkdv_kernel(
     i_lo_ref, g0_ref, g1_ref, i_hi_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
-    qa_ref, qs_ref, qp_ref, cs_ref, cp_ref, dk_ref, dv_ref, *, scale, window, block_q, groups,
+    qa_ref, qs_ref, qp_ref, cs_ref, cp_ref, dk_ref, dv_ref, *, scale, window, block_q, groups, unroll,
 ):  # fmt: skip
     k, v = k_ref[...], v_ref[...]
     c_seg, c_pos = cs_ref[...], cp_ref[...]
     start_k = pl.program_id(0) * k.shape[0]
 
-    def step(i, carry, masked):
+    def visible(start):
+        q_rows = pl.ds(start, block_q)
+        return _visible(qa_ref[q_rows], qs_ref[q_rows], qp_ref[q_rows], c_seg, c_pos, start_k, window)
+
+    def head(start, g, vis, carry):  # one query tile of one query head g of this kv head
         dk, dv = carry
-        start = pl.multiple_of(i * block_q, block_q)
-        if masked:
-            vis = _visible(
-                qa_ref[pl.ds(start, block_q)],
-                qs_ref[pl.ds(start, block_q)],
-                qp_ref[pl.ds(start, block_q)],
-                c_seg,
-                c_pos,
-                start_k,
-                window,
-            )
-        for g in range(groups):  # the query heads of this kv head
-            q = q_ref[pl.ds(start, block_q), g, :]
-            do = do_ref[pl.ds(start, block_q), g, :]
-            lse = lse_ref[g, pl.ds(start, block_q)]
-            delta = delta_ref[g, pl.ds(start, block_q)]
-            p = jnp.exp(_dot(q, k, contract_b=1) * scale - lse[:, None])
-            if masked:
-                p = jnp.where(vis, p, 0.0)
-            dv = dv + _dot(p.astype(do.dtype), do, contract_a=0)
-            ds = p * (_dot(do, v, contract_b=1) - delta[:, None])
-            dk = dk + _dot(ds.astype(q.dtype), q, contract_a=0)
+        q = q_ref[pl.ds(start, block_q), g, :]
+        do = do_ref[pl.ds(start, block_q), g, :]
+        lse = lse_ref[g, pl.ds(start, block_q)]
+        delta = delta_ref[g, pl.ds(start, block_q)]
+        p = jnp.exp(_dot(q, k, contract_b=1) * scale - lse[:, None])
+        if vis is not None:
+            p = jnp.where(vis, p, 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do, contract_a=0)
+        ds = p * (_dot(do, v, contract_b=1) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, contract_a=0)
         return dk, dv
 
+    def tile_all_heads(i, carry, masked):  # "unroll": the G heads in one body (2G tiles per step)
+        start = pl.multiple_of(i * block_q, block_q)
+        vis = visible(start) if masked else None
+        for g in range(groups):
+            carry = head(start, g, vis, carry)
+        return carry
+
+    def tile_head(u, carry, masked):  # "loop": step u is query tile u // G, head u % G (2 tiles)
+        start = pl.multiple_of((u // groups) * block_q, block_q)
+        return head(start, u % groups, visible(start) if masked else None, carry)
+
+    step, per = (tile_all_heads, 1) if unroll else (tile_head, groups)
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    i_lo, g0, g1, i_hi = i_lo_ref[0], g0_ref[0], g1_ref[0], i_hi_ref[0]
+    i_lo, g0, g1, i_hi = i_lo_ref[0] * per, g0_ref[0] * per, g1_ref[0] * per, i_hi_ref[0] * per
     carry = jax.lax.fori_loop(i_lo, g0, functools.partial(step, masked=True), carry)
     carry = jax.lax.fori_loop(g0, g1, functools.partial(step, masked=False), carry)
     dk, dv = jax.lax.fori_loop(g1, i_hi, functools.partial(step, masked=True), carry)
@@ -266,23 +302,23 @@ def _dkdv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(st: _Static, q, k, v, meta, o, lse, do, dlse):
+def backward_delta(o, do, dlse):
+    """delta [B,N,Qp] = rowsum(o * do) - dlse: d lse / d s = p, so an lse cotangent enters like a
+    shift of delta."""
+    return jnp.einsum("BQNH,BQNH->BNQ", o, do.astype(jnp.float32)) - dlse
+
+
+def dq_call(st: _Static, q, k, v, meta, do, lse, delta):
+    """The dq kernel: q/do [B,Qp,N,H], lse/delta [B,N,Qp] -> dq f32 [B,Qp,N,H] (scale applied)."""
     B, Qp, N, H = q.shape
     Tp, K = k.shape[1], k.shape[2]
     G = N // K
-    t = st.tiles
-    bq, bk = t.block_q_bwd, t.block_k_bwd
-    # d lse / d s = p, so an lse cotangent enters like a shift of delta (see the module docs).
-    delta = jnp.einsum("BQNH,BQNH->BNQ", o, do.astype(jnp.float32)) - dlse
-    do = do.astype(q.dtype)
-    per_query_meta = (meta["q_anchor"], meta["q_seg"], meta["q_pos"])
-    ctx_meta = (meta["c_seg"], meta["c_pos"])
-
+    bq, bk = st.tiles.block_q_bwd, st.tiles.block_k_bwd
     table = pl.BlockSpec((None, 1), lambda i, b, n: (b, i))
     q_tile = pl.BlockSpec((None, bq, None, H), lambda i, b, n: (b, i, n, 0))
     row_tile = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))
     kv_all = pl.BlockSpec((None, Tp, None, H), lambda i, b, n: (b, 0, n // G, 0))
-    dq = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dq_kernel, scale=st.scale, window=st.window, block_k=bk),
         grid=(Qp // bq, B, N),
         in_specs=[table] * 4
@@ -292,10 +328,17 @@ def _backward(st: _Static, q, k, v, meta, o, lse, do, dlse):
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
         name="anchored_context_attention_dq",
-        **_launch(st, bwd=True),
-    )(*meta["bwd_tables"], q, k, v, do, lse, delta, *per_query_meta, *ctx_meta)
+        **_launch(st, "dq"),
+    )(*meta["bwd_tables"], q, k, v, do, lse, delta, *_query_meta(meta), *_ctx_meta(meta))
 
-    # dk/dv: one program per (context tile, row, kv head); the G query heads are axis 2 of q.
+
+def dkdv_call(st: _Static, q, k, v, meta, do, lse, delta):
+    """The dk/dv kernel: one program per (context tile, row, kv head), summing its G query heads
+    (axis 3 of the [B,Qp,K,G,H] view of q) -> dk, dv f32 [B,Tp,K,H]."""
+    B, Qp, N, H = q.shape
+    Tp, K = k.shape[1], k.shape[2]
+    G = N // K
+    bq, bk = st.tiles.block_q_bwd, st.tiles.block_k_bwd
     q5 = q.reshape(B, Qp, K, G, H)
     do5 = do.reshape(B, Qp, K, G, H)
     lse4 = lse.reshape(B, K, G, Qp)
@@ -303,8 +346,12 @@ def _backward(st: _Static, q, k, v, meta, o, lse, do, dlse):
     kv_tile = pl.BlockSpec((None, bk, None, H), lambda j, b, h: (b, j, h, 0))
     q_all = pl.BlockSpec((None, Qp, None, G, H), lambda j, b, h: (b, 0, h, 0, 0))
     row_all = pl.BlockSpec((None, None, G, Qp), lambda j, b, h: (b, h, 0, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=st.scale, window=st.window, block_q=bq, groups=G),
+    kernel = functools.partial(
+        _dkdv_kernel, scale=st.scale, window=st.window, block_q=bq, groups=G,
+        unroll=st.tiles.dkdv_groups == "unroll",
+    )  # fmt: skip
+    return pl.pallas_call(
+        kernel,
         grid=(Tp // bk, B, K),
         in_specs=[pl.BlockSpec((None, 1), lambda j, b, h: (b, j))] * 4
         + [kv_tile, kv_tile, q_all, q_all, row_all, row_all]
@@ -313,8 +360,23 @@ def _backward(st: _Static, q, k, v, meta, o, lse, do, dlse):
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32)] * 2,
         name="anchored_context_attention_dkdv",
-        **_launch(st, bwd=True),
-    )(*meta["ctx_tables"], k, v, q5, do5, lse4, delta4, *per_query_meta, *ctx_meta)
+        **_launch(st, "dkdv"),
+    )(*meta["ctx_tables"], k, v, q5, do5, lse4, delta4, *_query_meta(meta), *_ctx_meta(meta))
+
+
+def _query_meta(meta):
+    return meta["q_anchor"], meta["q_seg"], meta["q_pos"]
+
+
+def _ctx_meta(meta):
+    return meta["c_seg"], meta["c_pos"]
+
+
+def _backward(st: _Static, q, k, v, meta, o, lse, do, dlse):
+    delta = backward_delta(o, do, dlse)
+    do = do.astype(q.dtype)
+    dq = dq_call(st, q, k, v, meta, do, lse, delta)
+    dk, dv = dkdv_call(st, q, k, v, meta, do, lse, delta)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -378,6 +440,24 @@ def prepare(
     return meta, Qp, Tp
 
 
+def kernel_inputs(q, k, v, mask, *, window, scale, interpret, tiles: Tiles | None):
+    """The padded operands of the three kernels, for calling them one at a time (the GPU check
+    compiles forward, dq and dk/dv separately so that a failure names its kernel):
+    ``(st, q_rows [B,Qp,N,H], k [B,Tp,K,H], v, meta)``."""
+    B, A, S, N, H = q.shape
+    K = k.shape[2]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    tiles = Tiles.default(H, itemsize) if tiles is None else tiles
+    check_tiles(tiles, H, itemsize, groups=N // K)
+    meta, Qp, Tp = prepare(*mask, tiles=tiles, window=window)
+    st = _Static(scale=float(scale), window=window, slots=S, tiles=tiles, interpret=interpret)
+    q_rows = _pad_axis(q.reshape(B, A * S, N, H), 1, Qp)
+    return st, q_rows, _pad_axis(k, 1, Tp), _pad_axis(v, 1, Tp), meta
+
+
+forward_call = _forward
+
+
 def context_attention_pallas(
     q,
     k,
@@ -395,20 +475,11 @@ def context_attention_pallas(
 ):
     """q [B,A,S,N,H], k/v [B,T,K,H] -> (out f32 [B,A,S,N,H], lse f32 [B,A,S,N]), differentiable."""
     B, A, S, N, H = q.shape
-    tiles = Tiles.default(H) if tiles is None else tiles
-    check_tiles(tiles, H, jnp.dtype(q.dtype).itemsize)
-    meta, Qp, Tp = prepare(
-        ctx_segment_ids,
-        ctx_positions,
-        anchors,
-        anchor_segment_ids,
-        slot_positions,
-        tiles=tiles,
-        window=window,
+    mask = (ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions)
+    st, q_rows, k_p, v_p, meta = kernel_inputs(
+        q, k, v, mask, window=window, scale=scale, interpret=interpret, tiles=tiles
     )
-    st = _Static(scale=float(scale), window=window, slots=S, tiles=tiles, interpret=interpret)
-    q_rows = _pad_axis(q.reshape(B, A * S, N, H), 1, Qp)
-    o, lse = _attend(st, q_rows, _pad_axis(k, 1, Tp), _pad_axis(v, 1, Tp), meta)
+    o, lse = _attend(st, q_rows, k_p, v_p, meta)
     o = o[:, : A * S].reshape(B, A, S, N, H)
     lse = jnp.swapaxes(lse[:, :, : A * S], 1, 2).reshape(B, A, S, N)
     return o, lse
