@@ -109,12 +109,14 @@ def unflatten(flat: dict) -> dict:
 
 
 def write_hf_drafter(
-    path: str | Path, config: DrafterConfig, params: dict, dtype: str, hf_config: dict
+    path: str | Path, config: DrafterConfig, params: dict, dtype: str, hf_config: dict, extra_tensors=None
 ) -> Path:
-    """Write ``hf_config`` as config.json and the drafter's tensors as model.safetensors."""
+    """Write ``hf_config`` as config.json and the drafter's tensors (plus ``extra_tensors``, as
+    given) as model.safetensors."""
     from safetensors.numpy import save_file
 
     tensors = params_to_hf(params, config, to_dtype(dtype))
+    tensors.update(extra_tensors or {})
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
