@@ -28,7 +28,16 @@ import numpy as np
 
 from convert.logs import add_verbose_flag, configure_logging
 from convert.safetensors_io import CheckpointReader
-from convert.speculators import MARKER_KEY, speculators_to_zlab, verifier_of
+from convert.speculators import (
+    D2T_KEY,
+    MARKER_KEY,
+    T2D_KEY,
+    VOCAB_TENSOR_KEYS,
+    draft_vocab_of,
+    draft_vocab_size_of,
+    speculators_to_zlab,
+    verifier_of,
+)
 from convert.zlab_drafter import CONFIG_FILE, EXPORT_DTYPES, hf_to_params
 from dflash_jax.checkpoint import (
     IMPORT_KEY,
@@ -67,6 +76,8 @@ def read_hf_drafter(
     raw = _read_config_json(path)
     fmt = "speculators" if MARKER_KEY in raw else "zlab"
     zcfg = speculators_to_zlab(raw, num_target_layers=num_target_layers) if fmt == "speculators" else raw
+    if fmt == "speculators" and draft_vocab_size_of(raw) is not None:
+        overrides = {"draft_vocab_size": draft_vocab_size_of(raw), **overrides}
     try:
         config = DrafterConfig.from_hf_dict(zcfg, **overrides)
     except (TypeError, ValueError) as e:
@@ -76,10 +87,26 @@ def read_hf_drafter(
     reader = CheckpointReader(path)
     dtypes = {str(reader.get(k).dtype) for k in reader.keys()}
     tensors = {k: np.array(v) for k, v in reader.items()}
+    vocab = None
+    if config.draft_vocab_size is not None:
+        missing = [k for k in (T2D_KEY, D2T_KEY) if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: draft_vocab_size={config.draft_vocab_size} but no {' or '.join(missing)} tensor")
+        try:
+            vocab = draft_vocab_of(
+                tensors[T2D_KEY], tensors[D2T_KEY], draft_vocab_size=config.draft_vocab_size, vocab_size=config.vocab_size
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+        # lm_head rows are the verifier's own (frozen, invariant 7): ours come from the target.
+        tensors = {k: v for k, v in tensors.items() if k not in VOCAB_TENSOR_KEYS}
+        dtypes = {str(reader.get(k).dtype) for k in tensors}
     try:
         params = hf_to_params(tensors, config)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    if vocab is not None:
+        params["draft_vocab"] = vocab
     dtype = next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= set(EXPORT_DTYPES) else None
     info = {"format": fmt, "dtype": dtype, "path": str(path.resolve())}
     if fmt == "speculators" and verifier_of(raw):

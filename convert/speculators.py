@@ -15,16 +15,67 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from convert.zlab_drafter import CONFIG_FILE, write_hf_drafter
 from dflash_jax.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
+from dflash_jax.dtypes import to_dtype
 
 # Top-level keys that mark a config.json as the speculators layout.
 MARKER_KEY = "speculators_model_type"
+# A reduced draft vocabulary's tensors (speculators' DraftVocabMixin buffers, and the N rows of the
+# verifier's lm_head it keeps serialised because runtimes do not derive them).
+T2D_KEY, D2T_KEY, LM_HEAD_KEY = "t2d", "d2t", "lm_head.weight"
+VOCAB_TENSOR_KEYS = (T2D_KEY, D2T_KEY, LM_HEAD_KEY)
+
+
+def vocab_mappings(draft_vocab, vocab_size: int) -> dict[str, np.ndarray]:
+    """Ascending draft-vocabulary target ids [N] -> speculators' ``t2d`` (bool [V]: in the draft
+    vocabulary) and ``d2t`` (int64 [N]: target id = draft index + d2t)."""
+    ids = np.asarray(draft_vocab, np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[ids] = True
+    return {T2D_KEY: t2d, D2T_KEY: ids - np.arange(ids.size, dtype=np.int64)}
+
+
+def draft_vocab_of(t2d, d2t, *, draft_vocab_size: int, vocab_size: int) -> np.ndarray:
+    """speculators' ``t2d``/``d2t`` -> the draft vocabulary's target ids (int32 [N], ascending),
+    checked against each other and the config's sizes."""
+    t2d, d2t = np.asarray(t2d).astype(bool), np.asarray(d2t).astype(np.int64)
+    if t2d.shape != (vocab_size,) or d2t.shape != (draft_vocab_size,):
+        raise ValueError(
+            f"speculators drafter: t2d {list(t2d.shape)} / d2t {list(d2t.shape)} do not match vocab_size="
+            f"{vocab_size} / draft_vocab_size={draft_vocab_size}"
+        )
+    ids = np.arange(draft_vocab_size, dtype=np.int64) + d2t
+    if ids.min() < 0 or ids.max() >= vocab_size or np.any(np.diff(ids) <= 0):
+        raise ValueError("speculators drafter: d2t does not map draft indices to ascending target ids")
+    if int(t2d.sum()) != draft_vocab_size or not np.all(t2d[ids]):
+        raise ValueError("speculators drafter: t2d does not mark exactly the target ids d2t maps to")
+    return ids.astype(np.int32)
+
+
+def verifier_lm_head_rows(verifier: str | Path, ids, dtype: str) -> np.ndarray:
+    """The rows ``ids`` of the verifier's lm_head ([N, D], ``dtype``), read from its directory
+    (the tied embedding when it has no lm_head)."""
+    from convert.safetensors_io import CheckpointReader
+
+    path = Path(verifier)
+    if not path.is_dir():
+        raise ValueError(
+            f"a reduced-vocabulary speculators export keeps the verifier's lm_head rows, but the verifier "
+            f"{verifier} is not a local directory: pass --verifier TARGET_DIR"
+        )
+    reader = CheckpointReader(path)
+    for key in ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+        if key in reader.keys():
+            return np.asarray(reader.get(key))[np.asarray(ids)].astype(to_dtype(dtype))
+    raise ValueError(f"verifier {path}: no lm_head.weight or embed_tokens weight to take the draft rows from")
 
 
 def _decoder_dict(config: DrafterConfig) -> dict:
     """The Qwen3 decoder fields of our z-lab config (what speculators' transformer_layer_config holds)."""
-    z = config.to_hf_dict()
+    z = config.replace(draft_vocab_size=None).to_hf_dict()
     drop = ("architectures", "block_size", "dflash_config", "is_causal")
     return {k: v for k, v in z.items() if k not in drop}
 
@@ -58,7 +109,7 @@ def speculators_config(
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": "dflash",
         "transformer_layer_config": decoder,
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": config.head_size,
         "target_hidden_size": config.hidden_size,
         "block_size": config.block_size,
         # vLLM's convention: aux id = z-lab target_layer_id + 1 (it maps back with aux - 1).
@@ -83,8 +134,18 @@ def speculators_config(
 def write_speculators_drafter(
     path: str | Path, config: DrafterConfig, params: dict, dtype: str = "bfloat16", verifier=None
 ) -> Path:
+    """A speculators drafter dir; with a draft vocabulary also ``t2d``, ``d2t`` and the verifier's
+    lm_head rows (read from ``verifier``, which must then be a local directory)."""
     cfg = speculators_config(config, dtype=dtype, verifier=verifier)
-    return write_hf_drafter(path, config, params, dtype, cfg)
+    params = dict(params)
+    vocab = params.pop("draft_vocab", None)
+    extra = None
+    if config.draft_vocab_size is not None:
+        if vocab is None:
+            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} but the params hold no draft_vocab")
+        extra = vocab_mappings(vocab, config.vocab_size)
+        extra[LM_HEAD_KEY] = verifier_lm_head_rows(verifier, vocab, dtype)
+    return write_hf_drafter(path, config, params, dtype, cfg, extra)
 
 
 def verifier_of(cfg: dict) -> str | None:
@@ -92,8 +153,15 @@ def verifier_of(cfg: dict) -> str | None:
     return ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
 
+def draft_vocab_size_of(cfg: dict) -> int | None:
+    """A speculators config's reduced draft vocabulary size (None: the verifier's whole vocabulary)."""
+    n, vocab = cfg.get("draft_vocab_size"), (cfg.get("transformer_layer_config") or {}).get("vocab_size")
+    return None if n is None or n == vocab else int(n)
+
+
 def speculators_to_zlab(cfg: dict, *, num_target_layers: int | None = None) -> dict:
-    """A speculators DFlash config.json dict -> the equivalent z-lab config dict."""
+    """A speculators DFlash config.json dict -> the equivalent z-lab config dict (its draft
+    vocabulary size, if reduced, is ``draft_vocab_size_of(cfg)``: z-lab's format has none)."""
     if cfg.get(MARKER_KEY) != "dflash":
         raise ValueError(
             f"speculators config: speculators_model_type={cfg.get(MARKER_KEY)!r}; only 'dflash' is supported"
@@ -104,12 +172,6 @@ def speculators_to_zlab(cfg: dict, *, num_target_layers: int | None = None) -> d
     if cfg.get("projector_type", "dflash") != "dflash":
         raise ValueError(f"speculators config: projector_type={cfg['projector_type']!r} is not supported")
     decoder = dict(cfg["transformer_layer_config"])
-    vocab = decoder.get("vocab_size")
-    if cfg.get("draft_vocab_size") not in (None, vocab):
-        raise ValueError(
-            f"speculators config: draft_vocab_size={cfg['draft_vocab_size']} differs from vocab_size={vocab}; "
-            "reduced draft vocabularies (d2t/t2d) are not supported"
-        )
     for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
         if key in cfg:
             decoder[key] = cfg[key]

@@ -109,12 +109,14 @@ def unflatten(flat: dict) -> dict:
 
 
 def write_hf_drafter(
-    path: str | Path, config: DrafterConfig, params: dict, dtype: str, hf_config: dict
+    path: str | Path, config: DrafterConfig, params: dict, dtype: str, hf_config: dict, extra_tensors=None
 ) -> Path:
-    """Write ``hf_config`` as config.json and the drafter's tensors as model.safetensors."""
+    """Write ``hf_config`` as config.json and the drafter's tensors (plus ``extra_tensors``, as
+    given) as model.safetensors."""
     from safetensors.numpy import save_file
 
     tensors = params_to_hf(params, config, to_dtype(dtype))
+    tensors.update(extra_tensors or {})
     # Checked after the cast, on what is written: finite float32 values beyond float16's range
     # (65504) become inf here.
     bad = [n for n, t in tensors.items() if t.dtype.kind not in "biu" and not np.isfinite(t).all()]

@@ -3,7 +3,8 @@ writers of drafter params that loading and the converters use.
 
 Layout: ``<run>/checkpoints/<step>/`` with three items,
 
-  state    ``{"params": drafter params, "opt": optimizer state}`` (imports have no ``opt``)
+  state    ``{"params": drafter params (+ ``draft_vocab``, int32 target ids, when the drafter
+           has a draft vocabulary), "opt": optimizer state}`` (imports have no ``opt``)
   meta     JSON ``{"step", "data_state"}`` (the data iterator's state, for exact resumes)
   config   JSON: the resolved run config, with ``drafter_config`` (``DrafterConfig.to_dict()``) and,
            for a checkpoint made by ``convert.hf_to_drafter``, ``imported_from``
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.drafter.model import DFlashDrafter
+from dflash_jax.drafter.model import WEIGHTS, DFlashDrafter
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 STATE_ITEM, META_ITEM, CONFIG_ITEM = "state", "meta", "config"
@@ -73,7 +74,7 @@ class Checkpointer:
         """Start an asynchronous save of ``step``. Raises ``FloatingPointError`` (nothing written)
         when a parameter is not finite, and ``OSError`` naming the step when this save, or the
         previous one still writing, failed."""
-        params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(drafter, WEIGHTS))
         bad = nonfinite_params(params)
         if bad:
             raise FloatingPointError(
@@ -116,7 +117,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         target = {
-            "params": _abstract(nnx.state(drafter, nnx.Param), mesh),
+            "params": _abstract(nnx.state(drafter, WEIGHTS), mesh),
             "opt": _abstract(nnx.state(optimizer, nnx.optimizer.OptState), mesh),
         }
         restored = self.manager.restore(
@@ -125,7 +126,7 @@ class Checkpointer:
                 **{STATE_ITEM: ocp.args.StandardRestore(target), META_ITEM: ocp.args.JsonRestore()}
             ),
         )
-        _assign(drafter, nnx.Param, restored[STATE_ITEM]["params"])
+        _assign(drafter, WEIGHTS, restored[STATE_ITEM]["params"])
         _assign(optimizer, nnx.optimizer.OptState, restored[STATE_ITEM]["opt"])
         return dict(restored[META_ITEM])
 
@@ -280,7 +281,7 @@ def read_checkpoint(
     target = {
         "params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+            nnx.to_pure_dict(nnx.state(abstract, WEIGHTS)),
         )
     }
     root, step = resolve_checkpoint(path, step)

@@ -13,7 +13,6 @@ regenerated data, drafter taps): build the cache with the config (and overrides)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -41,20 +40,12 @@ def build(
     ``dtype``: the stored dtype of features (and hidden states); None keeps the dtype the target
     computes them in (exact). ``rows_per_shard`` is rounded up to whole batches."""
     import jax
-    import numpy as np
-    from flax import nnx
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax.data.pipeline import to_global_batch
-    from dflash_jax.data.shards import ShardedBatchIterator, resolve_num_shards
-    from dflash_jax.dtypes import to_dtype
-    from dflash_jax.sharding import BATCH_AXES, logical_sharding, make_mesh
+    from dflash_jax.sharding import make_mesh
     from dflash_jax.training import feature_cache, setup
-    from dflash_jax.training.loss import target_argmax
     from dflash_jax.training.regen_cache import data_configs, regenerated_data
-    from dflash_jax.training.step import target_pass
 
     t0 = time.perf_counter()
     if jax.process_count() > 1:
@@ -86,61 +77,10 @@ def build(
     )
     del source
     taps = tuple(dcfg.target_layer_ids)
-    identity = feature_cache.run_identity(cfg, data_cfg, target_dir, tokenizer, taps)
-    writer = feature_cache.CacheWriter(
-        out,
-        rows_per_shard=-(-rows_per_shard // data_cfg.batch_size) * data_cfg.batch_size,
-        overwrite=overwrite,
+    manifest = feature_cache.write_cache(
+        cfg, data_cfg, target, tokenizer, target_dir, taps, out, mesh=mesh, dtype=dtype,
+        rows_per_shard=rows_per_shard, overwrite=overwrite, quiet=quiet, started=t0,
     )
-    one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
-    rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(cfg.data.shards, 1))
-    kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
-    label_dtype = to_dtype(cfg.train.compute_dtype)
-
-    @nnx.jit
-    def target_outputs(target, batch):
-        features, hidden = target_pass(target, batch, taps)
-        if kind == "ce":  # the same argmax the step takes online (training/step.py block_loss)
-            labels = target_argmax(
-                hidden, target.lm_head_weight(), chunk=loss_chunk, compute_dtype=label_dtype
-            )
-            return {"features": features, "labels": labels}
-        return {"features": features, "hidden": hidden}
-
-    sharding = logical_sharding(mesh, BATCH_AXES)
-    stored = None if dtype is None else to_dtype(dtype)
-    computed: dict[str, str] = {}
-    bar = tqdm(desc=f"features -> {writer.out.name}", unit="row", disable=quiet)
-    try:
-        with jax.set_mesh(mesh):
-            for batch in rows:
-                outputs = jax.device_get(target_outputs(target, to_global_batch(batch, sharding)))
-                record = {k: np.asarray(batch[k], np.int32) for k in feature_cache.ROW_ARRAYS}
-                for name, value in outputs.items():
-                    value = np.asarray(value)
-                    computed[name] = feature_cache.dtype_name(value.dtype)
-                    if stored is not None and name != "labels":
-                        value = value.astype(stored)
-                    record[name] = value
-                writer.add(record)
-                bar.update(len(batch["input_ids"]))
-        manifest = writer.finish(
-            {
-                "identity": identity,
-                "batch_size": data_cfg.batch_size,
-                "seq_len": data_cfg.max_length,
-                "computed_dtypes": computed,
-                "target_dir": str(target_dir),
-                "config": cfg.to_dict(),
-                "build_seconds": round(time.perf_counter() - t0, 3),
-            }
-        )
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        bar.close()
-        rows.close()
     result = json.loads((manifest / feature_cache.MANIFEST).read_text())
     total = sum(e["bytes"] for s in result["shards"] for e in s["files"].values())
     log.info(

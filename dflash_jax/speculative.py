@@ -174,8 +174,11 @@ def _draft(target, drafter, state: _State, draft_len: int, sampling: SamplingCon
         new_ctx_lens=state.pend_n,
     )
     logits = drafter.logits(hidden[:, 1:], target)
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, dcache
+    if sampling.temperature == 0:  # a draft-vocabulary index -> its target id (invariant 9)
+        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, dcache
+    if drafter.draft_vocab is not None:  # q over the target's ids: 0 outside the draft vocabulary
+        full = jnp.full((*logits.shape[:-1], target.config.vocab_size), -jnp.inf, logits.dtype)
+        logits = full.at[..., drafter.draft_vocab[...]].set(logits)
     logq = sampling_logprobs(logits, sampling)
     return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), logq, dcache
 
@@ -298,10 +301,10 @@ class SpeculativeDecoder:
         cfg.check_target(target.config)
         if attention_impl is not None and attention_impl != cfg.attention_impl:
             # e.g. a drafter fresh from training with the Pallas kernel: decode with another impl.
-            from dflash_jax.drafter.model import DFlashDrafter
+            from dflash_jax.drafter.model import WEIGHTS, DFlashDrafter
 
             cfg = cfg.replace(attention_impl=attention_impl)
-            params = nnx.state(drafter, nnx.Param)
+            params = nnx.state(drafter, WEIGHTS)
             drafter = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
             nnx.update(drafter, params)
         self.block_size = int(block_size if block_size is not None else cfg.block_size)

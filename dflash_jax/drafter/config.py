@@ -113,6 +113,10 @@ class DrafterConfig:
     with our backward; needs tokamax). ``anchor_chunk``: anchors per chunk in ``xla``.
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
+
+    ``draft_vocab_size`` (invariant 9): None drafts over the target's whole vocabulary; N drafts
+    over N chosen rows of the target's frozen lm_head (which rows: the drafter's ``draft_vocab``
+    variable, chosen by ``training/draft_vocab.py``), mapped back to target ids when decoding.
     """
 
     hidden_size: int
@@ -139,6 +143,7 @@ class DrafterConfig:
     anchor_chunk: int = 16
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         check_fields(self)
@@ -211,6 +216,18 @@ class DrafterConfig:
                 f"DrafterConfig.logit_softcap must be positive or None, got {self.logit_softcap}"
             )
         require_attention_impl("DrafterConfig.attention_impl", self.attention_impl)
+        if self.draft_vocab_size is not None:
+            _require_int("draft_vocab_size", self.draft_vocab_size, minimum=2)
+            if self.draft_vocab_size > self.vocab_size:
+                raise ValueError(
+                    f"DrafterConfig.draft_vocab_size={self.draft_vocab_size} is larger than the target's "
+                    f"vocabulary (vocab_size={self.vocab_size})"
+                )
+
+    @property
+    def head_size(self) -> int:
+        """How many logits the drafter produces: the draft vocabulary, else the target's."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     # ---------------------------------------------------------------------------------------
     # Derived values
@@ -393,6 +410,11 @@ class DrafterConfig:
 
     def to_hf_dict(self, *, dtype: str | None = None) -> dict:
         """A z-lab-format config.json dict (loadable by ``dflash.model.DFlashDraftModel``)."""
+        if self.draft_vocab_size is not None:
+            raise ValueError(
+                f"z-lab's DFlashDraftModel format has no reduced vocabulary, and this drafter has "
+                f"draft_vocab_size={self.draft_vocab_size}: export it with --format speculators"
+            )
         rope = self.rope.to_hf()
         sliding = SLIDING_ATTENTION in self.layer_types
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}

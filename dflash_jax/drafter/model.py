@@ -173,6 +173,17 @@ class DrafterLayer(nnx.Module):
 # ------------------------------------------------------------------------------------------
 
 
+class DraftVocab(nnx.Variable):
+    """The target ids of a reduced draft vocabulary, int32 [N], ascending (invariant 9).
+
+    Data, not a parameter: never trained (the optimizer and gradients see ``nnx.Param`` only),
+    but saved and loaded with the parameters (``WEIGHTS``)."""
+
+
+# What a drafter's checkpoint and exports hold: its parameters and, if it has one, its draft vocabulary.
+WEIGHTS = nnx.Any(nnx.Param, DraftVocab)
+
+
 class DFlashDrafter(nnx.Module):
     """DFlash block-diffusion drafter. Parameters: fc, hidden_norm, layers, norm (no embed/lm_head)."""
 
@@ -183,6 +194,12 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=pdt)
         self.layers = nnx.List([DrafterLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=pdt)
+        # A placeholder set (the first N ids) until training/draft_vocab.py chooses the real one.
+        self.draft_vocab = (
+            None
+            if config.draft_vocab_size is None
+            else DraftVocab(jnp.arange(config.draft_vocab_size, dtype=jnp.int32), logical_axes=(None,))
+        )
 
     @property
     def compute_dtype(self):
@@ -217,13 +234,29 @@ class DFlashDrafter(nnx.Module):
             target, block_token_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
         )
 
-    def logits(self, hidden: jax.Array, target, *, compute_dtype=None) -> jax.Array:
-        """Drafter hidden [..., D] -> fp32 logits [..., V] through the target's lm_head (+ z-lab's
-        output multiplier / soft-cap when configured). Decoding and the training loss both call
-        this. ``compute_dtype``: the matmul's input dtype (default: hidden's)."""
+    def head_weight(self, target) -> jax.Array:
+        """[D, N]: the rows of the target's frozen lm_head the drafter scores (all V, or the draft
+        vocabulary's N). Taken once per step or decoding call, outside any loop over chunks."""
+        w = jax.lax.stop_gradient(target.lm_head_weight())
+        if self.draft_vocab is None:
+            return w
+        return jnp.take(w, self.draft_vocab[...], axis=1)
+
+    def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+        """Indices into the drafter's logits -> target token ids (identity without a draft vocabulary)."""
+        if self.draft_vocab is None:
+            return draft_ids
+        return jnp.take(self.draft_vocab[...], draft_ids, axis=0)
+
+    def logits(self, hidden: jax.Array, target, *, compute_dtype=None, head=None) -> jax.Array:
+        """Drafter hidden [..., D] -> fp32 logits [..., N] through the target's lm_head rows of
+        ``head_weight`` (N = V without a draft vocabulary; + z-lab's output multiplier / soft-cap
+        when configured). Decoding and the training loss both call this. ``compute_dtype``: the
+        matmul's input dtype (default: hidden's); ``head``: ``head_weight(target)`` if at hand."""
         if compute_dtype is not None:
             hidden = hidden.astype(compute_dtype)
-        out = target.logits(hidden).astype(jnp.float32)
+        w = self.head_weight(target) if head is None else head
+        out = jnp.einsum("...D,DN->...N", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         if self.config.logit_scale != 1.0:
             out = out * self.config.logit_scale
         if self.config.logit_softcap is not None:

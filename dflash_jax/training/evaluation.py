@@ -55,8 +55,9 @@ def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
     return out
 
 
-def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts) -> dict:
-    """Greedy speculative decoding of the held-out prompts: tau and what it rests on."""
+def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts, *, max_new_tokens: int | None = None) -> dict:
+    """Greedy speculative decoding of the held-out prompts: tau (z-lab's per-prompt mean) with its
+    standard error over prompts, per-slot acceptance, and what it rests on."""
     from dflash_jax.eval import evaluate
     from dflash_jax.regenerate import eos_ids
 
@@ -64,15 +65,23 @@ def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts) -> dict:
         target,
         drafter,
         prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
+        max_new_tokens=cfg.eval.max_new_tokens if max_new_tokens is None else max_new_tokens,
         stop_token_ids=eos_ids(tokenizer, target.config),
         batch_size=max(1, len(prompts)),
         baseline=False,
         warmup=False,
+        # The last block of a prompt is drafted at full length and verified only up to its limit:
+        # the same tokens, one compile instead of one per tail length (minutes on a CPU); only the
+        # acceptance of those last steps can differ from z-lab's (python -m dflash_jax.eval: exact).
+        exact_tail=False,
     )
     s = rep["summary"]
+    taus = np.array([r["tau"] for r in rep["prompts"] if r["tau"] is not None], np.float64)
     return {
         "tau": float(s["tau"]),
+        "tau_stderr": float(taus.std(ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
+        "per_slot_acceptance": s["per_position_acceptance"],
+        "per_prompt_tau": [r["tau"] for r in rep["prompts"]],  # prompt order: for paired differences
         "num_prompts": len(prompts),
         "verify_steps": int(s["num_steps"]),
         "tau_pooled": s["tau_pooled"],

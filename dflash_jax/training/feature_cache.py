@@ -331,6 +331,10 @@ class FeatureCache:
             self._open[key] = a
         return self._open[key]
 
+    def array(self, shard: int, name: str) -> np.ndarray:
+        """One shard's array ``name`` (memory-mapped), checked against the manifest."""
+        return self._array(shard, name)
+
     def read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """The arrays of global rows ``rows`` (any order), gathered across shards."""
         shard_of = np.searchsorted(self._starts, rows, side="right") - 1
@@ -411,12 +415,143 @@ class CachedBatchIterator:
         self.cache._open.clear()
 
 
+def write_cache(
+    cfg,
+    data_cfg,
+    target,
+    tokenizer,
+    target_dir: Path,
+    taps,
+    out,
+    *,
+    mesh,
+    dtype: str | None = None,
+    rows_per_shard: int = 256,
+    overwrite: bool = False,
+    quiet: bool = False,
+    started: float | None = None,
+) -> Path:
+    """Run the frozen ``target`` once over one epoch of ``data_cfg``'s packed rows and write the
+    cache to ``out`` (a temporary sibling, renamed when complete); returns its path.
+
+    ``dtype``: the stored dtype of features (and hidden states); None keeps the dtype the target
+    computes them in (exact). Besides the arrays, the manifest holds the label counts a draft
+    vocabulary is chosen from (``training/draft_vocab.py``)."""
+    import time
+
+    import jax
+    from flax import nnx
+    from tqdm import tqdm
+
+    from dflash_jax.data.pipeline import to_global_batch
+    from dflash_jax.data.shards import ShardedBatchIterator, resolve_num_shards
+    from dflash_jax.sharding import BATCH_AXES, logical_sharding
+    from dflash_jax.training.draft_vocab import count_labels
+    from dflash_jax.training.loss import target_argmax
+    from dflash_jax.training.step import target_pass
+
+    t0 = time.perf_counter() if started is None else started
+    taps = tuple(int(t) for t in taps)
+    identity = run_identity(cfg, data_cfg, target_dir, tokenizer, taps)
+    writer = CacheWriter(
+        out,
+        rows_per_shard=-(-rows_per_shard // data_cfg.batch_size) * data_cfg.batch_size,
+        overwrite=overwrite,
+    )
+    one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
+    rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(cfg.data.shards, 1))
+    kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
+    label_dtype = to_dtype(cfg.train.compute_dtype)
+
+    @nnx.jit
+    def target_outputs(target, batch):
+        features, hidden = target_pass(target, batch, taps)
+        # The same argmax the step takes online (training/step.py block_loss); kl caches keep
+        # it only as counts, for a draft vocabulary.
+        labels = target_argmax(hidden, target.lm_head_weight(), chunk=loss_chunk, compute_dtype=label_dtype)
+        if kind == "ce":
+            return {"features": features, "labels": labels}
+        return {"features": features, "hidden": hidden, "count_labels": labels}
+
+    sharding = logical_sharding(mesh, BATCH_AXES)
+    stored = None if dtype is None else to_dtype(dtype)
+    computed: dict[str, str] = {}
+    counts = np.zeros(target.config.vocab_size, np.int64)
+    bar = tqdm(desc=f"features -> {writer.out.name}", unit="row", disable=quiet)
+    try:
+        with jax.set_mesh(mesh):
+            for batch in rows:
+                outputs = jax.device_get(target_outputs(target, to_global_batch(batch, sharding)))
+                record = {k: np.asarray(batch[k], np.int32) for k in ROW_ARRAYS}
+                labels = outputs.pop("count_labels", outputs.get("labels"))
+                counts += count_labels(labels, batch["loss_mask"], batch["segment_ids"], counts.shape[0])
+                for name, value in outputs.items():
+                    value = np.asarray(value)
+                    computed[name] = dtype_name(value.dtype)
+                    if stored is not None and name != "labels":
+                        value = value.astype(stored)
+                    record[name] = value
+                writer.add(record)
+                bar.update(len(batch["input_ids"]))
+        return writer.finish(
+            {
+                "identity": identity,
+                "batch_size": data_cfg.batch_size,
+                "seq_len": data_cfg.max_length,
+                "computed_dtypes": computed,
+                "target_dir": str(target_dir),
+                "config": cfg.to_dict(),
+                "build_seconds": round(time.perf_counter() - t0, 3),
+                # Sparse {id: count} of the labels at trainable positions (training/draft_vocab.py).
+                "label_counts": {str(i): int(counts[i]) for i in np.flatnonzero(counts)},
+                "vocab_size": int(counts.shape[0]),
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+        rows.close()
+
+
+def label_counts(cache: FeatureCache) -> np.ndarray | None:
+    """int64 [V] label counts recorded by the cache's builder (None: a cache built before they were)."""
+    sparse, vocab = cache.manifest.get("label_counts"), cache.manifest.get("vocab_size")
+    if sparse is None or vocab is None:
+        return None
+    counts = np.zeros(int(vocab), np.int64)
+    for i, c in sparse.items():
+        counts[int(i)] = int(c)
+    return counts
+
+
+def auto_cache_dir(cfg, data_cfg, target_dir: Path, tokenizer, taps) -> Path:
+    """Where ``data.features: auto`` keeps a run's cache: under the cache root, named by the
+    digest of what made its rows (the identity a run checks), so every run with the same target,
+    taps, tokenizer, rows and labels shares one."""
+    from dflash_jax import assets
+
+    identity = run_identity(cfg, data_cfg, target_dir, tokenizer, taps)
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return assets.cache_root() / "features" / digest
+
+
 def open_for_run(
-    cfg, data_cfg, target_dir: Path, tokenizer, taps, *, process_index: int = 0, process_count: int = 1
+    cfg,
+    data_cfg,
+    target_dir: Path,
+    tokenizer,
+    taps,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    path: str | Path | None = None,
 ) -> CachedBatchIterator:
-    """The training iterator of a run with ``data.features``: the cache, checked against the run
-    (``data_cfg``: the run's effective data config, regenerated sources included)."""
-    cache = FeatureCache(cfg.data.features)
+    """The training iterator of a run with ``data.features``: the cache (``path``, default
+    ``data.features``), checked against the run (``data_cfg``: the run's effective data config,
+    regenerated sources included)."""
+    cache = FeatureCache(path or cfg.data.features)
     check_identity(cache.identity, run_identity(cfg, data_cfg, target_dir, tokenizer, taps), str(cache.path))
     # Arrays stored in another dtype (--dtype) reach the step in the dtype the target computed
     # them in, as online, so the step compiles the same.

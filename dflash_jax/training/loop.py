@@ -193,6 +193,8 @@ def train_loop(
     decay_steps: int | None = None,
     on_decay_steps: Callable[[int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_eval: Callable[[int], None] | None = None,
+    eval_every_s: float | None = None,
 ) -> LoopResult:
     """Run ``train_step`` from ``start_step`` (``resumed``: restored from its checkpoint); ``put`` makes a host batch global, ``save(step,
     force, data_state)`` writes a checkpoint, ``logger.log(step, metrics)`` records train metrics,
@@ -215,6 +217,7 @@ def train_loop(
     window_t, window_tokens, compiled_at = clock(), 0, None
     last, in_a_row, skipped_total = {}, 0, 0
     limit = train.time_limit_minutes
+    last_eval = t_train
     estimate = decay_steps is None and limit is not None
     decay_steps = train.steps if decay_steps is None else decay_steps
     try:
@@ -284,6 +287,13 @@ def train_loop(
                 last_saved = step
             if check_saves is not None:
                 check_saves()
+            if on_eval is not None and eval_every_s and clock() - last_eval >= eval_every_s:
+                t0 = clock()
+                on_eval(step)
+                spent = clock() - t0
+                t_train, window_t, last_eval = t_train + spent, window_t + spent, clock()
+                if compiled_at is not None:
+                    compiled_at += spent
             if limit is not None and clock() - t_train > 60 * limit:
                 log.info("time limit of %.1f min reached at step %d", limit, step)
                 break

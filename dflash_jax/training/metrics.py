@@ -99,9 +99,10 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(jsonl_path)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    taus = [r for r in rows if r.get("split") == "heldout" and "tau" in r]
+    fig, axes = plt.subplots(1, 3 if taus else 2, figsize=(15 if taus else 10, 3.8))
     for split, style in (("train", "-"), ("heldout", "o--")):
-        pts = [r for r in rows if r.get("split") == split]
+        pts = [r for r in rows if r.get("split") == split and "loss" in r]
         if not pts:
             continue
         steps = [r["step"] for r in pts]
@@ -109,6 +110,9 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
         axes[1].plot(steps, [r["streak"] for r in pts], style, label=split)
     axes[0].set_title("loss")
     axes[1].set_title("streak (teacher-forced accepted length)")
+    if taus:
+        axes[2].plot([r["step"] for r in taus], [r["tau"] for r in taus], "o-", label="heldout")
+        axes[2].set_title("held-out tau (speculative decoding)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -1,8 +1,9 @@
 """The regeneration cache: train and held-out chat JSONL whose replies are the target's own.
 
 DFlash drafters learn the target's distribution, so the demo answers its prompts with the target
-itself. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by the
-target dir and every setting that changes the output.
+itself. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by what
+changes the answers: the target, the tokenizer and its template, the prompts chosen
+(``PROMPT_FIELDS`` of the data section), the generation settings and the held-out prompt count.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ from dflash_jax import assets
 from dflash_jax.training.run_config import RunConfig
 
 log = logging.getLogger(__name__)
+
+# The DataConfig fields that decide which prompts are answered and how they are rendered; the rest
+# (batch size, packing, epochs, where features come from, ...) leave the answers unchanged.
+PROMPT_FIELDS = (
+    "sources",
+    "on_bad_record",
+    "max_records",
+    "heldout_fraction",
+    "heldout_count",
+    "heldout_seed",
+    "enable_thinking",
+    "chat_template",
+)
 
 
 def _stamp(directory: Path) -> list:
@@ -38,8 +52,7 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
             "target": str(Path(target_dir).resolve()),
             "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
-            # data.features only says where the run reads features from: not part of the key
-            "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "features"},
+            "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
             "regen": dataclasses.asdict(r),
             "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
         },

@@ -58,7 +58,7 @@ def run(
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
     from dflash_jax.drafter.api import init_drafter
-    from dflash_jax.training import evaluation, feature_cache, setup
+    from dflash_jax.training import draft_vocab, evaluation, feature_cache, setup
     from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
@@ -112,10 +112,35 @@ def run(
     dcfg = setup.build_drafter_config(
         cfg, target, tokenizer, source=None if source is None else source.config, source_path=warm_path
     )
+    features_dir = cfg.data.features
+    if features_dir == "auto":  # built once beside the regenerated data, reused by later runs
+        features_dir = feature_cache.auto_cache_dir(cfg, data_cfg, target_dir, tokenizer, dcfg.target_layer_ids)
+        if not (features_dir / feature_cache.MANIFEST).is_file():
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "data.features=auto builds its cache on one process: build it with python -m "
+                    "dflash_jax.features and pass its directory"
+                )
+            log.info("building the feature cache %s (once; later runs reuse it)", features_dir)
+            with jax.set_mesh(mesh):
+                feature_cache.write_cache(
+                    cfg, data_cfg, target, tokenizer, target_dir, dcfg.target_layer_ids, features_dir,
+                    mesh=mesh, quiet=quiet,
+                )
     drafter = init_drafter(dcfg, target, cfg.train.seed)
+    has_vocab = False
+    if source is None and cfg.drafter.init == "target" and not resume:
+        setup.init_from_target_layers(drafter, target)
     if source is not None:
         setup.init_params_from(drafter, source, warm_path)
+        has_vocab = source.config.draft_vocab_size is not None
         del source
+    if dcfg.draft_vocab_size is not None and not resume and not has_vocab:
+        vocab_summary = draft_vocab.choose_for_run(
+            cfg, drafter, target, tokenizer, data_cfg, mesh, features_dir=features_dir, quiet=quiet or not primary
+        )
+        if primary:
+            (run_dir / "draft_vocab.json").write_text(json.dumps(vocab_summary, indent=2))
     shard_module(drafter, mesh)
     optimizer = nnx.Optimizer(drafter, make_optimizer(cfg.train), wrt=nnx.Param)
     # Its scalar counters too: left unplaced, step 2 sees new input shardings and recompiles.
@@ -139,7 +164,7 @@ def run(
         meta = ckpt.restore(drafter, optimizer, step=resume_step, mesh=mesh)
         start_step, data_state = int(meta["step"]), meta.get("data_state")
         log.info("resumed from step %d", start_step)
-    if cfg.data.features:  # stored target outputs instead of the target (training/feature_cache.py)
+    if features_dir:  # stored target outputs instead of the target (training/feature_cache.py)
         data_iter = feature_cache.open_for_run(
             cfg,
             data_cfg,
@@ -148,6 +173,7 @@ def run(
             dcfg.target_layer_ids,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
+            path=features_dir,
         )
     else:  # this process's logical data shards (data/shards.py): batches independent of the process count
         data_iter = ShardedBatchIterator(
@@ -190,10 +216,22 @@ def run(
         rep = evaluation.measure_tau(cfg, target, drafter, tokenizer, eval_prompts)
         result[f"tau_{when}"], result[f"eval_{when}"] = rep["tau"], rep
         (run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
+        slots = " ".join("-" if a is None else f"{a:.2f}" for a in rep["per_slot_acceptance"][:8])
         log.info(
-            "held-out tau %s training: %.3f over %d prompts (%d verify steps)",
-            *(when, rep["tau"], rep["num_prompts"], rep["verify_steps"]),
+            "held-out tau %s training: %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
+            "acceptance of draft slots 1..8: %s",
+            when, rep["tau"], rep["tau_stderr"] or 0.0, rep["num_prompts"], cfg.eval.max_new_tokens,
+            rep["verify_steps"], slots,
         )
+
+    def tau_curve(step: int):  # a short held-out tau during training, for the curve in metrics.png
+        rep = evaluation.measure_tau(
+            cfg, target, drafter, tokenizer, eval_prompts[: cfg.eval.curve_prompts],
+            max_new_tokens=cfg.eval.curve_max_new_tokens,
+        )
+        logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
+        log.info("step %d: held-out tau %.3f (%d prompts x %d tokens)", step, rep["tau"], rep["num_prompts"],
+                 cfg.eval.curve_max_new_tokens)
 
     def heldout_streak(step: int, when: str):
         metrics = evaluation.heldout_metrics(eval_step, drafter, target, held_batches, eval_key)
@@ -226,6 +264,8 @@ def run(
                 check_saves=ckpt.check,
                 decay_steps=decay_steps,
                 on_decay_steps=lambda n: schedule_file.write_text(json.dumps({"decay_steps": n})),
+                on_eval=tau_curve if eval_prompts and primary and jax.process_count() == 1 else None,
+                eval_every_s=None if cfg.eval.curve_every_minutes is None else 60 * cfg.eval.curve_every_minutes,
             )
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report

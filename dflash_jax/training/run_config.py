@@ -59,9 +59,14 @@ class DrafterSection:
     layer_types: tuple[LayerType, ...] | None = None  # per layer; default: all full_attention
     sliding_window: int | None = None  # positions a sliding_attention layer sees
     causal_in_block: bool | None = None  # default: z-lab's rule (sliding layers causal in a block)
+    # N: draft over the N most frequent labels of the training data (+ stop ids), training/draft_vocab.py;
+    # default: the target's whole vocabulary
+    draft_vocab_size: int | None = None
     attention_impl: AttentionImpl = "auto"  # a GPU-validated kernel (validated.json), else xla
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
+    # without init_from: random (N(0, 0.02)) or target (the target's last layers, training/setup.py)
+    init: Literal["random", "target"] = "random"
 
     def __post_init__(self):
         check_fields(self)
@@ -73,6 +78,10 @@ class DrafterSection:
             )
         if self.anchor_chunk < 1:
             raise ValueError(f"drafter.anchor_chunk must be >= 1, got {self.anchor_chunk}")
+        if self.draft_vocab_size is not None and (
+            isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 2
+        ):
+            raise ValueError(f"drafter.draft_vocab_size must be an int >= 2 or null, got {self.draft_vocab_size!r}")
         for name in ("mask_token_id", "intermediate_size"):
             v = getattr(self, name)
             if v is not None and v < (0 if name == "mask_token_id" else 1):
@@ -163,10 +172,24 @@ class RegenSection:
 
 @dataclass(frozen=True)
 class EvalSection:
+    """Held-out tau by real speculative decoding: ``num_prompts`` x ``max_new_tokens`` before and
+    after training; with ``curve_every_minutes`` also during training on the first
+    ``curve_prompts`` of them (the tau curve of metrics.png; its time is not training time)."""
+
     num_prompts: int = 8
     max_new_tokens: int = 64
     max_prompt_tokens: int = 384
     before_training: bool = True
+    curve_every_minutes: float | None = None
+    curve_prompts: int = 8
+    curve_max_new_tokens: int = 64
+
+    def __post_init__(self):
+        if self.curve_every_minutes is not None and not self.curve_every_minutes > 0:
+            raise ValueError(f"eval.curve_every_minutes must be > 0 or null, got {self.curve_every_minutes!r}")
+        for name in ("curve_prompts", "curve_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import json
 import logging
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from convert.smollm2 import smollm2_dir
@@ -157,7 +158,7 @@ def check_data_sources(cfg: RunConfig) -> None:
         )
     for source in cfg.data.sources:
         resolve_source(source)
-    if cfg.data.features:
+    if cfg.data.features and cfg.data.features != "auto":
         from dflash_jax.training.feature_cache import FeatureCache
 
         FeatureCache(cfg.data.features)
@@ -236,6 +237,7 @@ SHAPE_FIELDS = (
     "layer_types",
     "sliding_window",
     "causal_in_block",
+    "draft_vocab_size",
 )
 SHAPE_DEFAULTS = {"num_layers": 1, "block_size": 16}
 
@@ -256,8 +258,12 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_
     d = cfg.drafter
     impl = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
     if source is not None:
+        extra = {}
         for name in SHAPE_FIELDS:
             ours, theirs = getattr(d, name), getattr(source, name)
+            if name == "draft_vocab_size" and theirs is None and ours is not None:
+                extra[name] = ours  # a full-vocabulary drafter may start a reduced-vocabulary run
+                continue
             if ours is not None and tuple_if_list(ours) != tuple_if_list(theirs):
                 raise ConfigError(
                     f"drafter.{name}={ours!r} conflicts with the warm-start drafter {source_path}, "
@@ -265,7 +271,7 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_
                 )
         source.check_target(target.config)
         # Training keeps fp32 master weights whatever precision the source was stored in.
-        return source.replace(**impl, param_dtype="float32", compute_dtype="float32")
+        return source.replace(**impl, **extra, param_dtype="float32", compute_dtype="float32")
     shape = {name: getattr(d, name) for name in SHAPE_FIELDS if getattr(d, name) is not None}
     for name, default in SHAPE_DEFAULTS.items():
         shape.setdefault(name, default)
@@ -285,5 +291,60 @@ def init_params_from(drafter, source, path: str) -> None:
     """Copy the warm-start ``source``'s parameters into ``drafter`` (same config but kernels)."""
     from dflash_jax.drafter.api import get_params, set_params
 
-    set_params(drafter, get_params(source))
+    params = get_params(source)
+    if drafter.draft_vocab is not None and "draft_vocab" not in params:  # chosen after this
+        params["draft_vocab"] = drafter.draft_vocab[...]
+    set_params(drafter, params)
     log.info("initialised drafter from %s", path)
+
+
+def init_from_target_layers(drafter, target) -> None:
+    """Start the drafter from the target's own last ``num_layers`` decoder layers (attention,
+    MLP and their norms copied; q/k norms, absent in Llama/Qwen2, stay 1), ``fc`` as a selection
+    of the last tap (the others start at 0), ``hidden_norm`` as the input norm of the first copied
+    layer and the final norm as the target's: the context then enters the first drafter layer
+    as that target layer's own input when the last tap is the layer before it (z-lab's default
+    taps end at N-3). ``drafter.init: target``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.drafter.api import get_params, set_params
+
+    cfg, tc = drafter.config, target.config
+    stack = getattr(target, "layers", None)
+    names = set(getattr(stack, "names", ()))
+    need = {"input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down"}
+    extra = names - need - {"q_norm", "k_norm"}
+    if not need <= names or extra:
+        raise ConfigError(
+            f"drafter.init=target needs a dense target without biases (its layers have {sorted(names)}); "
+            "use drafter.init=random"
+        )
+    if (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) != (
+        tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size
+    ):
+        raise ConfigError("drafter.init=target needs the drafter's heads and MLP width to be the target's")
+    first = tc.num_layers - cfg.num_layers
+    w = {n: np.asarray(jax.device_get(getattr(stack, n)[...]), np.float32) for n in names}
+    params = jax.tree.map(np.asarray, jax.device_get(get_params(drafter)))
+    D, K = cfg.hidden_size, cfg.num_target_features
+    fc = np.zeros((K * D, D), np.float32)
+    fc[(K - 1) * D :, :] = np.eye(D, dtype=np.float32)
+    params["fc"] = fc
+    params["hidden_norm"]["weight"] = w["input_norm"][first]
+    params["norm"]["weight"] = np.asarray(jax.device_get(target.norm[...]), np.float32)
+    for i in range(cfg.num_layers):
+        src, layer = first + i, params["layers"][i]
+        attn = layer["self_attn"]
+        for ours, theirs in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o")):
+            attn[ours] = w[theirs][src]
+        for norm in ("q_norm", "k_norm"):
+            if norm in names:
+                attn[norm]["weight"] = w[norm][src]
+        layer["input_layernorm"]["weight"] = w["input_norm"][src]
+        layer["post_attention_layernorm"]["weight"] = w["post_norm"][src]
+        for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            layer["mlp"][ours] = w[theirs][src]
+    set_params(drafter, jax.tree.map(jnp.asarray, params))
+    log.info("initialised the drafter from target layers %d..%d (fc selects tap %d)", first, tc.num_layers - 1,
+             cfg.target_layer_ids[-1])

@@ -106,53 +106,77 @@ def block_loss(
     cfg: TrainSection,
     draft_logits=None,
     position_labels=None,
+    draft_vocab=None,
 ):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state;
     position_labels [R,T]: the target's argmax per position, already computed (``ce`` from the
     offline feature cache; then ``hidden`` may be None);
-    draft_logits: the drafter's logits function, [C,D] -> [C,V] (``drafter.logits``, the one
+    draft_logits: the drafter's logits function, [C,D] -> [C,N] (``drafter.logits``, the one
     decoding uses; None: plain lm_head). Which slots train: ``anchors.slot_targets``.
+    draft_vocab [N] int32: the target ids the drafter's N logits stand for (invariant 9), or None
+    (N = V). ``ce``: a slot whose label (the target's argmax over all V) is outside them is left out
+    of the loss, numerator and normaliser alike, and counted (``label_coverage``); ``kl``: the
+    target's distribution restricted to the N ids and renormalised.
     """
     R, A, B, D = draft.shape
     label_pos, item_mask = slot_targets(anchors, anchor_valid, loss_mask, segment_ids, B)
     dtype = to_dtype(cfg.compute_dtype)
+    in_vocab = jnp.ones_like(item_mask)
+    head = lm_head
     if cfg.loss == "ce":
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
         per_position = position_labels
         if per_position is None:
             per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
         slot_labels = gather_positions(per_position, label_pos).reshape(-1)
+        target_labels = slot_labels
         target_h = None
+        if draft_vocab is not None:
+            to_draft = jnp.full((lm_head.shape[1],), -1, jnp.int32)
+            to_draft = to_draft.at[draft_vocab].set(jnp.arange(draft_vocab.shape[0], dtype=jnp.int32))
+            draft_labels = to_draft[slot_labels]
+            in_vocab = (draft_labels >= 0).reshape(R, A, B - 1)
+            slot_labels = jnp.maximum(draft_labels, 0)
     else:
         slot_labels = None
         target_h = gather_positions(hidden, label_pos).reshape(-1, D)
+        if draft_vocab is not None:
+            head = jnp.take(jax.lax.stop_gradient(lm_head), draft_vocab, axis=1)
     loss_i, correct, labels = chunked_token_loss(
         draft[:, :, 1:].reshape(-1, D),
         target_h,
-        lm_head,
+        head,
         draft_logits=draft_logits,
         kind=cfg.loss,
         chunk=cfg.loss_chunk,
         compute_dtype=dtype,
         labels=slot_labels,
     )
+    if cfg.loss == "ce":  # report target ids (a label outside the draft vocabulary too)
+        labels = target_labels
+    elif draft_vocab is not None:
+        labels = jnp.take(draft_vocab, labels, axis=0)
+    trained = item_mask & in_vocab
+    correct = correct.reshape(R, A, B - 1) & in_vocab
     loss_sum = slot_loss_sum(
         loss_i.reshape(R, A, B - 1),
-        item_mask,
+        trained,
         scheme=cfg.loss_weighting,
         gamma=cfg.gamma,
         dpace_alpha=cfg.dpace_alpha,
     )
-    loss = loss_sum / slot_loss_denominator(item_mask, scheme=cfg.loss_weighting, gamma=cfg.gamma)
-    per_slot, streak = block_metrics(correct.reshape(R, A, B - 1), item_mask, anchor_valid)
-    return loss, {
+    denominator = slot_loss_denominator(trained, scheme=cfg.loss_weighting, gamma=cfg.gamma)
+    per_slot, streak = block_metrics(correct, item_mask, anchor_valid)
+    return loss_sum / denominator, {
         "streak": streak,
         "slot_acc": per_slot,
         "labels": labels.reshape(R, A, B - 1),
         "loss_sum": loss_sum,
+        "loss_denominator": denominator,
         "slot_count": jnp.sum(item_mask, axis=(0, 1)),
+        "in_vocab_count": jnp.sum(trained),
     }
 
 
@@ -184,6 +208,8 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
     )
     draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
     dtype = to_dtype(cfg.compute_dtype)
+    head = drafter.head_weight(target)  # the N rows of lm_head, gathered once, not per loss chunk
+    draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab[...]
     loss, extra = block_loss(
         draft,
         hidden,
@@ -193,12 +219,15 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         batch["segment_ids"],
         target.lm_head_weight(),
         cfg,
-        draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype),
+        draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype, head=head),
         position_labels=position_labels,
+        draft_vocab=draft_vocab,
     )
     metrics = {
         "loss_sum": extra["loss_sum"],
+        "loss_denominator": extra["loss_denominator"],
         "slot_count": extra["slot_count"],
+        "in_vocab_count": extra["in_vocab_count"],
         "loss": loss,
         "streak": extra["streak"],
         "slot_acc": extra["slot_acc"],
@@ -243,7 +272,10 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
         (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
     else:
         grads, metrics = accumulated_grads(drafter, target, batch, key, cfg)
-    metrics.pop("loss_sum"), metrics.pop("slot_count")
+    metrics.pop("loss_sum"), metrics.pop("loss_denominator")
+    slot_count, in_vocab = metrics.pop("slot_count"), metrics.pop("in_vocab_count")
+    # The fraction of trained slots whose label the drafter can produce (1 without a draft vocabulary).
+    metrics["label_coverage"] = in_vocab / jnp.maximum(jnp.sum(slot_count), 1)
     metrics["grad_norm"] = optax.global_norm(grads)
     old_params = _pure(drafter, nnx.Param)
     old_opt = _pure(optimizer, nnx.optimizer.OptState)
@@ -274,9 +306,11 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
 def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
     """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
 
-    Anchors are drawn once for the whole batch and the loss is normalised by the whole batch's
-    denominator (``loss.slot_loss_denominator``), so the update equals the full-batch one (up to
-    float summation order). Only the feature-noise draws (``feature_noise_std > 0``) differ.
+    Anchors are drawn once for the whole batch; each pass adds the gradient of its loss *sum*, and
+    the total is divided by the whole batch's normaliser (the sum of the passes' ones, which carry
+    no gradient) at the end, so the update equals the full-batch one (up to float summation
+    order) whatever the normaliser depends on (the trained slots, the draft vocabulary's label
+    coverage). Only the feature-noise draws (``feature_noise_std > 0``) differ.
     """
     M = cfg.micro_batches
     R = batch["input_ids"].shape[0]
@@ -284,10 +318,6 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
         raise ValueError(f"train.micro_batches={M} does not divide the batch's {R} rows")
     k_anchor, k_rest = jax.random.split(key)
     anchors, valid = _anchors(k_anchor, batch, cfg)
-    _, item_mask = slot_targets(
-        anchors, valid, batch["loss_mask"], batch["segment_ids"], drafter.config.block_size
-    )
-    denom = slot_loss_denominator(item_mask, scheme=cfg.loss_weighting, gamma=cfg.gamma)
 
     def split(x):
         return x.reshape(M, R // M, *x.shape[1:])
@@ -301,12 +331,15 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
         def loss_fn(p):
             model = nnx.merge(graphdef, p, rest)
             _, m = drafter_loss(model, target, mb, k, cfg, anchors=(a, v))
-            return m["loss_sum"] / denom, m
+            return m["loss_sum"], m
 
         (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return jax.tree.map(jnp.add, grad_acc, g), m
 
-    grads, per = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), xs)
+    grad_sum, per = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), xs)
+    # decay/uniform: the normaliser is a sum of per-pass sums; dpace: of per-pass counts.
+    denom = jnp.maximum(jnp.sum(per["loss_denominator"]), 1e-6)
+    grads = jax.tree.map(lambda g: g / denom, grad_sum)
     n_valid = jnp.sum(split(valid), axis=(1, 2))  # [M]
     slot_count = per["slot_count"]  # [M, B-1]
     metrics = {
@@ -317,7 +350,9 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
         "anchors": jnp.sum(per["anchors"]),
         "tokens": jnp.sum(per["tokens"]),
         "loss_sum": jnp.sum(per["loss_sum"]),
+        "loss_denominator": denom,
         "slot_count": jnp.sum(slot_count, axis=0),
+        "in_vocab_count": jnp.sum(per["in_vocab_count"]),
     }
     return grads, metrics
 

@@ -1,0 +1,326 @@
+"""Reduced draft vocabulary (invariant 9, ``drafter.draft_vocab_size``): choice, loss, decoding,
+export/import and resume.
+
+References: the loss against a NumPy transcription of the rule (``ce``: a label outside the set
+leaves the loss and the normaliser; ``kl``: the target's softmax restricted to the set and
+renormalised), decoding against plain greedy decoding of the target, and the speculators layout
+against speculators 0.9.0 itself where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_fixtures import save_hf_model
+
+import dflash_jax
+from convert import drafter_to_hf, hf_to_drafter
+from convert.speculators import draft_vocab_of, vocab_mappings
+from convert.zlab_drafter import WEIGHTS_FILE, flatten, unflatten
+from dflash_jax.drafter.api import get_params, init_drafter, set_draft_vocab, set_params
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.training.anchors import sample_anchors, slot_targets
+from dflash_jax.training.draft_vocab import choose_draft_vocab, count_labels, label_positions
+from dflash_jax.training.loss import dpace_weights, slot_weights
+from dflash_jax.training.run_config import TrainSection
+from dflash_jax.training.step import drafter_loss, target_pass
+
+B = 8
+N = 96  # of the tiny target's 512 ids
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_hf_model("qwen3", tmp_path_factory.mktemp("qwen3_vocab"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return dflash_jax.load_target(target_dir)
+
+
+def _batch(R=4, T=48, vocab=512, seed=0):
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(R, T)).astype(np.int32)
+    seg = np.ones((R, T), np.int32)
+    seg[:, T // 2 :] = 2
+    seg[R - 1, T - 5 :] = 0
+    positions = np.where(seg == 2, np.arange(T) - T // 2, np.arange(T)).astype(np.int32)
+    positions[seg == 0] = 0
+    mask = np.zeros((R, T), np.int32)
+    mask[:, 5:14] = mask[:, 17:22] = 1
+    mask[:, T // 2 + 4 : T - 6] = 1
+    return {k: jnp.asarray(v) for k, v in dict(input_ids=ids, positions=positions, segment_ids=seg, loss_mask=mask).items()}
+
+
+def _drafter(target, ids=None, seed=0, **kw):
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, mask_token_id=7, block_size=B, draft_vocab_size=N, **kw)
+    drafter = init_drafter(cfg, target, seed)
+    if ids is None:
+        ids = np.sort(np.random.default_rng(seed + 1).choice(target.config.vocab_size, N, replace=False))
+    return set_draft_vocab(drafter, ids)
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+# --------------------------------------------------------------------------- choice
+
+
+def test_chosen_set_holds_the_stop_ids_and_the_most_frequent_labels():
+    counts = np.zeros(50, np.int64)
+    counts[[3, 9, 11, 20, 40]] = [5, 50, 7, 7, 1]
+    ids = choose_draft_vocab(counts, 4, always=[49])
+    assert ids.tolist() == [9, 11, 20, 49]  # 49 (never a label) always in; 11/20 tie beats 3
+    assert ids.dtype == np.int32
+    # more ids than distinct labels: filled by id order, still distinct and ascending
+    ids = choose_draft_vocab(counts, 8, always=[0])
+    assert len(set(ids.tolist())) == 8 and np.all(np.diff(ids) > 0) and {0, 3, 9, 11, 20, 40} <= set(ids.tolist())
+    with pytest.raises(ValueError, match="stop ids"):
+        choose_draft_vocab(counts, 4, always=[50])
+    with pytest.raises(ValueError, match="draft_vocab_size=1"):
+        choose_draft_vocab(counts, 1, always=[1, 2])
+
+
+def test_labels_are_counted_where_a_block_can_train_them():
+    # row: doc 1 = [user 0..2][reply 3..5], doc 2 = [user 6,7][reply 8,9], pad 10
+    seg = np.array([[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0]])
+    mask = np.array([[0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0]])
+    # label p is the next token: trainable when p+1 is in the reply of p's document
+    assert np.flatnonzero(label_positions(mask, seg)[0]).tolist() == [2, 3, 4, 7, 8]
+    labels = np.array([[1, 1, 4, 4, 5, 9, 9, 6, 6, 9, 9]])
+    counts = count_labels(labels, mask, seg, 10)
+    assert counts.tolist() == [0, 0, 0, 0, 2, 1, 2, 0, 0, 0]
+    # the anchors' own label positions all lie in that set
+    anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), jnp.asarray(seg), max_anchors=4)
+    pos, trained = slot_targets(anchors, valid, jnp.asarray(mask), jnp.asarray(seg), 4)
+    allowed = set(np.flatnonzero(label_positions(mask, seg)[0]).tolist())
+    assert set(np.asarray(pos)[np.asarray(trained)].tolist()) <= allowed
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def _reference_loss(target, drafter, batch, key, cfg, kind):
+    """NumPy transcription: full-vocabulary target labels/distributions, the drafter's logits over
+    the draft set, the slot mask, decay or D-PACE weights."""
+    ids = np.asarray(drafter.draft_vocab[...])
+    k_anchor, _ = jax.random.split(key)
+    anchors, valid = sample_anchors(k_anchor, batch["loss_mask"], batch["segment_ids"], max_anchors=cfg.max_anchors)
+    features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
+    embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
+    out = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
+    label_pos, trained = slot_targets(anchors, valid, batch["loss_mask"], batch["segment_ids"], B)
+    lm = np.asarray(target.lm_head_weight(), np.float64)
+    d_logp = _log_softmax(np.asarray(out[:, :, 1:], np.float64) @ lm[:, ids])  # [R,A,B-1,N]
+    h = np.asarray(hidden, np.float64)
+    pos = np.asarray(label_pos)
+    t_logits = np.stack([h[r][pos[r]] for r in range(h.shape[0])]) @ lm  # [R,A,B-1,V]
+    trained = np.asarray(trained)
+    if kind == "ce":
+        label = t_logits.argmax(-1)
+        index = np.searchsorted(ids, label)
+        inside = (index < N) & (ids[np.minimum(index, N - 1)] == label)
+        loss = -np.take_along_axis(d_logp, np.minimum(index, N - 1)[..., None], -1)[..., 0]
+        trained = trained & inside
+    else:
+        t_logp = _log_softmax(t_logits[..., ids])  # restricted to the set, renormalised
+        loss = np.sum(np.exp(t_logp) * (t_logp - d_logp), -1)
+    if cfg.loss_weighting == "dpace":
+        w = np.asarray(dpace_weights(jnp.asarray(loss, jnp.float32), jnp.asarray(trained), cfg.dpace_alpha))
+        return float(np.sum(w * loss * trained) / max(trained.sum(), 1)), trained
+    w = np.asarray(slot_weights(B, cfg.gamma, "decay"))[1:] * trained
+    return float(np.sum(w * loss) / w.sum()), trained
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_reduced_vocab_loss_matches_numpy(target, kind, weighting):
+    drafter = _drafter(target)
+    batch = _batch()
+    cfg = TrainSection(max_anchors=6, loss=kind, loss_weighting=weighting, loss_chunk=32)
+    key = jax.random.key(3)
+    loss, metrics = drafter_loss(drafter, target, batch, key, cfg)
+    want, trained = _reference_loss(target, drafter, batch, key, cfg, kind)
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+    if kind == "ce":
+        # a random set of 96 ids holds only some labels: some slots left out, some kept
+        assert 0 < trained.sum() < np.asarray(metrics["slot_count"]).sum()
+
+
+def test_label_coverage_metric(target):
+    """label_coverage: the fraction of trained slots whose label is in the set (1 when the set
+    holds every label); the update leaves the set itself unchanged (data, not a parameter)."""
+    from flax import nnx
+
+    from dflash_jax.training.step import apply_train_step, make_optimizer
+
+    batch, key = _batch(), jax.random.key(3)
+    cfg = TrainSection(max_anchors=6, loss_chunk=32)
+    drafter = _drafter(target)
+    before = np.asarray(drafter.draft_vocab[...]).copy()
+    _, in_set = _reference_loss(target, drafter, batch, key, cfg, "ce")
+    all_slots = int(np.asarray(drafter_loss(drafter, target, batch, key, cfg)[1]["slot_count"]).sum())
+    opt = nnx.Optimizer(drafter, make_optimizer(cfg), wrt=nnx.Param)
+    metrics = apply_train_step(drafter, opt, target, batch, key, cfg, 1e-3)
+    assert 0 < float(metrics["label_coverage"]) < 1
+    np.testing.assert_allclose(float(metrics["label_coverage"]), in_set.sum() / all_slots, rtol=1e-6)
+    assert np.array_equal(np.asarray(drafter.draft_vocab[...]), before)
+
+    _, m = drafter_loss(drafter, target, batch, key, cfg, with_labels=True)
+    counts = np.bincount(np.asarray(m["labels"]).ravel(), minlength=512)
+    ids = choose_draft_vocab(counts, np.count_nonzero(counts) + 1, always=[7])
+    every = init_drafter(drafter.config.replace(draft_vocab_size=len(ids)), target, 0)
+    set_draft_vocab(every, ids)
+    opt = nnx.Optimizer(every, make_optimizer(cfg), wrt=nnx.Param)
+    assert float(apply_train_step(every, opt, target, batch, key, cfg, 0.0)["label_coverage"]) == 1.0
+
+
+def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
+    """The normaliser (trained, in-set slots over the whole batch) does not depend on the split."""
+    from flax import nnx
+
+    from dflash_jax.training.step import apply_train_step, make_optimizer
+
+    batch, key = _batch(), jax.random.key(4)
+    out = {}
+    for m in (1, 2):
+        cfg = TrainSection(max_anchors=6, loss_chunk=32, micro_batches=m)
+        drafter = _drafter(target)
+        opt = nnx.Optimizer(drafter, make_optimizer(cfg), wrt=nnx.Param)
+        metrics = apply_train_step(drafter, opt, target, batch, key, cfg, 1e-2)
+        out[m] = (float(metrics["loss"]), float(metrics["label_coverage"]), flatten(jax.device_get(get_params(drafter))))
+    assert out[1][0] == pytest.approx(out[2][0], rel=1e-5) and out[1][1] == pytest.approx(out[2][1], rel=1e-6)
+    for k, v in out[1][2].items():
+        np.testing.assert_allclose(out[2][2][k], v, rtol=1e-4, atol=2e-5, err_msg=k)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def test_speculative_decoding_with_a_draft_vocab_is_lossless(target):
+    from dflash_jax.generate import generate
+    from dflash_jax.speculative import speculative_generate
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 7, 13)]
+    plain = generate(target, prompts, max_new_tokens=16, batch_size=2)
+    # the set holds the target's own greedy tokens, so the drafter can hit some of them
+    ids = choose_draft_vocab(np.bincount(np.concatenate(plain), minlength=512), N, always=[7])
+    drafter = _drafter(target, ids=ids, seed=2)
+    ours = speculative_generate(target, drafter, prompts, max_new_tokens=16, batch_size=2)
+    assert [o.output_ids for o in ours] == plain
+    # drafts are target ids of the set (mapped back from draft indices), never raw indices
+    logits = drafter.logits(jnp.ones((1, target.config.hidden_size)), target)
+    assert logits.shape == (1, N)
+    assert int(drafter.to_target_ids(jnp.argmax(logits, -1))[0]) in set(ids.tolist())
+
+
+# --------------------------------------------------------------------------- export / import
+
+
+def _run_with(tmp_path, drafter, target_dir):
+    import optax
+    from flax import nnx
+
+    from dflash_jax.checkpoint import Checkpointer
+
+    opt = nnx.Optimizer(drafter, optax.adamw(1e-3), wrt=nnx.Param)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+    config = {"drafter_config": drafter.config.to_dict(), "target": {"path": str(target_dir)}}
+    ckpt.save(3, drafter, opt, {"epoch": 0}, config, force=True)
+    ckpt.close()
+    return tmp_path / "run"
+
+
+def test_speculators_export_import_round_trip(target, target_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    from dflash_jax.checkpoint import read_checkpoint
+
+    drafter = _drafter(target, seed=4)
+    rng = np.random.default_rng(1)
+    params = {k: np.asarray(v) + (0 if k == "draft_vocab" else 0.1 * rng.normal(size=v.shape).astype(np.float32))
+              for k, v in flatten(get_params(drafter)).items()}
+    set_params(drafter, unflatten(params))
+    run = _run_with(tmp_path, drafter, target_dir)
+    # the checkpoint keeps the set with the parameters
+    config, stored, _ = read_checkpoint(run)
+    assert config.draft_vocab_size == N and np.array_equal(stored["draft_vocab"], drafter.draft_vocab[...])
+
+    with pytest.raises(ValueError, match="draft_vocab_size=96"):
+        drafter_to_hf.export(run, tmp_path / "zlab", dtype="float32")
+    assert not (tmp_path / "zlab").exists()
+
+    spec = drafter_to_hf.export(run, tmp_path / "spec", fmt="speculators", dtype="float32")
+    cfg = json.loads((spec / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == N and cfg["transformer_layer_config"]["vocab_size"] == 512
+    tensors = load_file(spec / WEIGHTS_FILE)
+    ids = np.asarray(drafter.draft_vocab[...])
+    assert tensors["t2d"].dtype == np.bool_ and tensors["t2d"].shape == (512,) and tensors["t2d"].sum() == N
+    assert tensors["d2t"].dtype == np.int64 and np.array_equal(np.arange(N) + tensors["d2t"], ids)
+    np.testing.assert_array_equal(tensors["lm_head.weight"], np.asarray(target.lm_head_weight()).T[ids])
+
+    imp = tmp_path / "imp"
+    assert hf_to_drafter.main(["--hf", str(spec), "--out", str(imp)]) == 0
+    config2, params2, _ = read_checkpoint(imp)
+    assert config2 == drafter.config
+    a, b = flatten(jax.device_get(get_params(drafter))), flatten(params2)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+    # and back out again: the same t2d/d2t
+    again = load_file(drafter_to_hf.export(imp, tmp_path / "again", fmt="speculators", dtype="float32") / WEIGHTS_FILE)
+    assert all(np.array_equal(again[k], tensors[k]) for k in ("t2d", "d2t"))
+
+
+def test_inconsistent_vocab_mappings_are_refused():
+    m = vocab_mappings(np.array([1, 4, 9]), 12)
+    assert draft_vocab_of(m["t2d"], m["d2t"], draft_vocab_size=3, vocab_size=12).tolist() == [1, 4, 9]
+    t2d = m["t2d"].copy()
+    t2d[5] = True
+    with pytest.raises(ValueError, match="t2d does not mark"):
+        draft_vocab_of(t2d, m["d2t"], draft_vocab_size=3, vocab_size=12)
+    with pytest.raises(ValueError, match="vocab_size=13"):
+        draft_vocab_of(m["t2d"], m["d2t"], draft_vocab_size=3, vocab_size=13)
+
+
+def test_speculators_loads_the_export(target, target_dir, tmp_path):
+    """speculators 0.9.0 itself: no missing keys, and its draft tokens for one block equal ours."""
+    speculators = pytest.importorskip("speculators", reason="speculators 0.9.0 is not installed here")
+    torch = pytest.importorskip("torch")
+    from speculators import SpeculatorModel
+
+    drafter = _drafter(target, seed=4)
+    run = _run_with(tmp_path, drafter, target_dir)
+    spec = drafter_to_hf.export(run, tmp_path / "spec", fmt="speculators", dtype="float32")
+    model, info = SpeculatorModel.from_pretrained(spec, output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert speculators.__version__.startswith("0.9")
+    assert torch.equal(model.t2d, torch.from_numpy(np.asarray(jax.device_get(vocab_mappings(drafter.draft_vocab[...], 512)["t2d"]))))
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_with_another_draft_vocab_size_is_refused(tmp_path):
+    from dflash_jax.config_io import ConfigError
+    from dflash_jax.training.run import run
+    from dflash_jax.training.run_config import load_run_config
+
+    base = [f"output_dir={tmp_path / 'r'}", "train.steps=2", "eval.num_prompts=0", "drafter.draft_vocab_size=64"]
+    result = run(load_run_config("tiny", base), quiet=True)
+    vocab = json.loads((tmp_path / "r" / "draft_vocab.json").read_text())
+    assert vocab["draft_vocab_size"] == 64 and 0 < vocab["label_coverage"] <= 1
+    ids = np.asarray(result["drafter"].draft_vocab[...])
+    assert set(vocab["stop_ids"]) <= set(ids.tolist())
+    with pytest.raises(ConfigError, match="drafter.draft_vocab_size: 64 -> 128"):
+        run(load_run_config("tiny", [*base[:-1], "drafter.draft_vocab_size=128", "train.steps=3"]), resume=True, quiet=True)
+    # the same size resumes with the stored set, not a new choice
+    again = run(load_run_config("tiny", [*base[:-2], "train.steps=3", "drafter.draft_vocab_size=64"]), resume=True, quiet=True)
+    assert np.array_equal(np.asarray(again["drafter"].draft_vocab[...]), ids)
