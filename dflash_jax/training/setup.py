@@ -30,6 +30,8 @@ def tiny_target_key(section: TargetSection, vocab_size: int) -> str:
         seed=section.tiny_seed,
         recipe=TINY_TARGET_RECIPE,
     )
+    if section.tiny_model_type == "qwen3_moe":  # (the older kinds keep their directory names)
+        fields["type"] = section.tiny_model_type
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
     return f"tiny_target-h{section.tiny_hidden_size}-l{section.tiny_num_layers}-v{vocab_size}-{digest}"
 
@@ -68,6 +70,8 @@ def make_tiny_target_dir(section: TargetSection, vocab_size: int, root: Path) ->
     )
     if section.tiny_model_type == "qwen3_5":
         return _make_tiny_hybrid_dir(tc, section.tiny_seed, directory)
+    if section.tiny_model_type == "qwen3_moe":
+        return _make_tiny_moe_dir(tc, section.tiny_seed, directory)
     model = TargetModel(tc, rngs=nnx.Rngs(section.tiny_seed))
     # Unit-scale embeddings: a trained LM's next-token distribution is peaked, and the tied
     # lm_head then gives the drafter logits it can actually separate (0.02 init is ~uniform).
@@ -117,6 +121,35 @@ def _make_tiny_hybrid_dir(dense, seed: int, directory: Path) -> Path:
     )
     model = HybridTargetModel(tc, rngs=nnx.Rngs(seed))
     model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(
+        json.dumps({**tc.to_hf_dict(), "torch_dtype": "float32"}, indent=2)
+    )
+    return directory
+
+
+def _make_tiny_moe_dir(dense, seed: int, directory: Path) -> Path:
+    """The Qwen3-MoE variant of the tiny target: every layer a MoE block of 8 experts, top-2."""
+    from dataclasses import replace
+
+    from safetensors.numpy import save_file
+
+    from convert.hf_target import export_target_state
+    from dflash_jax.target.model import TargetModel
+
+    tc = replace(
+        dense,
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=dense.hidden_size,
+        norm_topk_prob=True,
+        moe_layers=tuple(range(dense.num_layers)),
+    )
+    model = TargetModel(tc, rngs=nnx.Rngs(seed))
+    model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
+    model.moe.router[...] = model.moe.router[...] * 50.0  # a router that prefers some experts
     directory.mkdir(parents=True, exist_ok=True)
     save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(
