@@ -43,8 +43,7 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = np.empty((*blocks.shape[:-1], BLOCK), np.float32)
     values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
     values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    # x * 2.0 ** (scale - 127) in float32, as torch.ldexp computes it (scale 255 -> inf)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = values * np.exp2((scales.astype(np.int32) - 127).astype(np.float32))[..., None]
+    with np.errstate(over="ignore"):  # scale 255: 2**128 -> inf, as in torch
+        out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)  # exact, as torch.ldexp
     *lead, rows, groups, _ = values.shape
     return np.ascontiguousarray(np.swapaxes(out.reshape(*lead, rows, groups * BLOCK), -1, -2))

@@ -111,5 +111,5 @@ def quantize_mxfp4(w: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
 
     blocks_shape, scales_shape = packed_shapes(w.shape)
     blocks = rng.integers(0, 256, blocks_shape, dtype=np.uint8)
-    scales = rng.integers(122, 128, scales_shape, dtype=np.uint8)  # 2**-5 .. 1
+    scales = rng.integers(119, 122, scales_shape, dtype=np.uint8)  # 2**-8 .. 2**-6: O(0.1) weights
     return blocks, scales
