@@ -113,3 +113,54 @@ def quantize_mxfp4(w: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
     blocks = rng.integers(0, 256, blocks_shape, dtype=np.uint8)
     scales = rng.integers(119, 122, scales_shape, dtype=np.uint8)  # 2**-8 .. 2**-6: O(0.1) weights
     return blocks, scales
+
+
+def qwen3_5_moe_text_config(**overrides) -> dict:
+    from hybrid_fixtures import TINY_HYBRID
+
+    text = {k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}
+    return {
+        **text,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        **overrides,
+    }
+
+
+def make_qwen3_5_moe(layout: str = "text", seed: int = 0, **overrides):
+    """layout: text (Qwen3_5MoeForCausalLM) | vl (Qwen3_5MoeForConditionalGeneration)."""
+    import torch
+    import transformers
+    from hybrid_fixtures import TINY_VISION
+
+    torch.manual_seed(seed)
+    text = qwen3_5_moe_text_config(**overrides)
+    if layout == "text":
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
+    else:
+        cfg = transformers.Qwen3_5MoeConfig(
+            text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False
+        )
+        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
+    model = model.float().eval()
+    with torch.no_grad():  # as hybrid_fixtures (zero-centred norms), plus a sharp router
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+            elif "experts" in name and p.ndim == 3:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn_like(p))
+    return model
