@@ -38,11 +38,13 @@ def _train(tmp_path, steps, extra=()):
     return out, [r["loss"] for r in rows if r["split"] == "train"]
 
 
-def test_tiny_moe_train_steps_on_eight_devices(tmp_path):
-    """Two train steps with the experts split over fsdp x tensor (2 per device of 8)."""
-    out, losses = _train(tmp_path, 2)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe"])
+def test_tiny_moe_train_steps_on_eight_devices(family, tmp_path):
+    """Two train steps of each MoE family with the experts split over fsdp x tensor (2 per
+    device of 8)."""
+    out, losses = _train(tmp_path, 2, [f"target.tiny_model_type={family}"])
     target = out["target"]
-    assert out["step"] == 2 and target.config.model_type == "qwen3_moe"
+    assert out["step"] == 2 and target.config.model_type == family
     gate = target.moe.gate[...]
     assert len(gate.sharding.device_set) == 8 and gate.addressable_shards[0].data.shape[1] == 2
     assert len(losses) == 2 and np.all(np.isfinite(losses))

@@ -161,6 +161,11 @@ class TargetConfig:
                 raise ValueError(f"TargetConfig.moe_intermediate_size must be positive for {self.model_type}")
             if list(moe) != sorted(set(moe)) or any(not 0 <= i < self.num_layers for i in moe):
                 raise ValueError(f"TargetConfig.moe_layers must be distinct sorted layer ids, got {moe}")
+        if self.model_type == "gpt_oss" and self.intermediate_size != self.moe_intermediate_size:
+            raise ValueError(
+                f"TargetConfig (gpt_oss): intermediate_size={self.intermediate_size} must equal "
+                f"moe_intermediate_size={self.moe_intermediate_size} (config.json has one width)"
+            )
         if self.model_type == "qwen3_5_moe" and self.shared_expert_intermediate_size <= 0:
             raise ValueError("TargetConfig.shared_expert_intermediate_size must be positive for qwen3_5_moe")
         if len(moe) < self.num_layers and self.intermediate_size <= 0:
@@ -399,7 +404,9 @@ class TargetConfig:
             eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
             pad_token_id=c.pad_token_id,
         )
-        if c.intermediate_size:
+        if c.model_type == "gpt_oss":  # gpt-oss's intermediate_size is the experts' width
+            hf["intermediate_size"] = c.moe_intermediate_size
+        elif c.intermediate_size:
             hf["intermediate_size"] = c.intermediate_size
         return hf
 
