@@ -1,5 +1,12 @@
-"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3, Qwen3.5), as ``KeyRule``
-data (``convert.hf_mapping``); our layer parameters are stacked (leading layer dimension).
+"""HF <-> dflash-jax weight mapping for target LLMs (Llama, Qwen2, Qwen3, Qwen3.5, Qwen3-MoE,
+Qwen3.5-MoE, gpt-oss), as ``KeyRule`` data (``convert.hf_mapping``); our layer parameters are
+stacked (leading layer dimension).
+
+MoE experts come in the layouts HF has (picked by the keys present, ``expert_layout``): Qwen's
+published per-expert tensors (``mlp.experts.{e}.gate_proj.weight``, what ``save_pretrained``
+writes) or transformers 5's fused in-memory ones (``mlp.experts.gate_up_proj`` [E, 2F, D],
+``down_proj`` [E, D, F]); gpt-oss's fused [E, in, out] tensors (gate and up interleaved) in bf16
+or MXFP4-packed (``*_blocks`` + ``*_scales``, dequantised at load).
 
 Qwen3.5 hybrids: ``attn.*`` / ``gdn.*`` rows come from the full- / linear-attention layers (the
 rules' ``layers``); the text weights sit under ``model.`` (Qwen3_5ForCausalLM) or
@@ -22,7 +29,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
+from convert.hf_mapping import (
+    KeyRule,
+    check_tensors,
+    entries,
+    layer_name,
+    merge_part,
+    read_ours,
+    source_shapes,
+    to_hf,
+    to_hf_experts,
+)
 from convert.safetensors_io import CheckpointReader, CorruptCheckpointError
 from dflash_jax.sharding import named_sharding, put_global
 from dflash_jax.target.config import TargetConfig, qkv_channel_order
@@ -46,7 +63,81 @@ def checkpoint_prefix(config: TargetConfig, keys) -> str:
     return "model."
 
 
-def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule]:
+EXPERT_LAYOUTS = ("per_expert", "fused", "mxfp4")
+
+
+def expert_layout(config: TargetConfig, keys) -> str | None:
+    """Which expert layout a checkpoint (its tensor names) uses; None for dense targets."""
+    if not config.is_moe:
+        return None
+    keys = list(keys)
+    if config.model_type == "gpt_oss":
+        return "mxfp4" if any(k.endswith("mlp.experts.gate_up_proj_blocks") for k in keys) else "fused"
+    return "fused" if any(k.endswith("mlp.experts.gate_up_proj") for k in keys) else "per_expert"
+
+
+def default_expert_layout(config: TargetConfig) -> str | None:
+    """The layout transformers' ``save_pretrained`` writes (export's default)."""
+    if not config.is_moe:
+        return None
+    return "fused" if config.model_type == "gpt_oss" else "per_expert"
+
+
+def moe_rules(config: TargetConfig, L: str, layout: str) -> list[KeyRule]:
+    """The MoE block's rules; L is the HF layer prefix (with ``{i}``)."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert layout {layout!r}; one of {EXPERT_LAYOUTS}")
+    E, layers, X = config.num_experts, config.moe_layers, L + "mlp.experts."
+    if config.model_type == "gpt_oss":
+        q = "mxfp4" if layout == "mxfp4" else None
+        two = dict(layers=layers, interleaved=True)
+        return [
+            KeyRule("moe.router", L + "mlp.router.weight", "linear", layers=layers),
+            KeyRule("moe.router_bias", L + "mlp.router.bias", "vector", layers=layers),
+            KeyRule("moe.gate", X + "gate_up_proj", "experts_io", part=(0, 2), quant=q, **two),
+            KeyRule("moe.up", X + "gate_up_proj", "experts_io", part=(1, 2), quant=q, **two),
+            KeyRule("moe.down", X + "down_proj", "experts_io", layers=layers, quant=q),
+            KeyRule("moe.gate_bias", X + "gate_up_proj_bias", "expert_vector", part=(0, 2), **two),
+            KeyRule("moe.up_bias", X + "gate_up_proj_bias", "expert_vector", part=(1, 2), **two),
+            KeyRule("moe.down_bias", X + "down_proj_bias", "expert_vector", layers=layers),
+        ]
+    if layout == "mxfp4":
+        raise ValueError(f"{config.model_type}: MXFP4-packed experts exist only for gpt_oss")
+    rules = [KeyRule("moe.router", L + "mlp.gate.weight", "linear", layers=layers)]
+    if layout == "per_expert":
+        rules += [
+            KeyRule(f"moe.{p}", X + "{e}." + f"{p}_proj.weight", "linear", layers=layers, experts=E)
+            for p in ("gate", "up", "down")
+        ]
+    else:
+        rules += [
+            KeyRule("moe.gate", X + "gate_up_proj", "experts", layers=layers, part=(0, 2)),
+            KeyRule("moe.up", X + "gate_up_proj", "experts", layers=layers, part=(1, 2)),
+            KeyRule("moe.down", X + "down_proj", "experts", layers=layers),
+        ]
+    if config.shared_expert_intermediate_size:
+        S = L + "mlp.shared_expert."
+        rules += [
+            KeyRule(f"moe.shared_{p}", S + f"{p}_proj.weight", "linear", layers=layers)
+            for p in ("gate", "up", "down")
+        ]
+        rules.append(
+            KeyRule("moe.shared_expert_gate", L + "mlp.shared_expert_gate.weight", "linear", layers=layers)
+        )
+    return rules
+
+
+def dense_mlp_rules(config: TargetConfig, L: str) -> list[KeyRule]:
+    """The dense SwiGLU MLP rules: ``layers.*`` on a dense target, ``mlp.*`` (its dense layers
+    only) on a MoE one."""
+    group, layers = ("mlp", config.dense_mlp_layers) if config.is_moe else ("layers", None)
+    return [
+        KeyRule(f"{group}.{p}", L + f"mlp.{p}_proj.weight", "linear", layers=layers)
+        for p in ("gate", "up", "down")
+    ]
+
+
+def hybrid_key_map(config: TargetConfig, prefix: str = "model.", layout: str | None = None) -> list[KeyRule]:
     L = prefix + "layers.{i}."
     full, lin = config.full_attention_layers, config.linear_attention_layers
     rules = [
@@ -54,10 +145,8 @@ def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
         KeyRule("norm", prefix + "norm.weight", "vector"),
         KeyRule("layers.input_norm", L + "input_layernorm.weight", "vector"),
         KeyRule("layers.post_norm", L + "post_attention_layernorm.weight", "vector"),
-        KeyRule("layers.gate", L + "mlp.gate_proj.weight", "linear"),
-        KeyRule("layers.up", L + "mlp.up_proj.weight", "linear"),
-        KeyRule("layers.down", L + "mlp.down_proj.weight", "linear"),
     ]
+    rules += moe_rules(config, L, layout or "per_expert") if config.is_moe else dense_mlp_rules(config, L)
     if not config.tie_word_embeddings:
         rules.append(KeyRule("lm_head", "lm_head.weight", "linear"))
     A, G = L + "self_attn.", L + "linear_attn."
@@ -82,9 +171,12 @@ def hybrid_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
     return [r for r in rules if r.layers is None or r.layers]
 
 
-def target_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule]:
+def target_key_map(config: TargetConfig, prefix: str = "model.", layout: str | None = None) -> list[KeyRule]:
+    """Every rule of ``config``'s checkpoint; ``layout``: the expert layout of a MoE target
+    (``expert_layout`` of the checkpoint; default what transformers writes)."""
+    layout = layout or default_expert_layout(config)
     if config.is_hybrid:
-        return hybrid_key_map(config, prefix)
+        return hybrid_key_map(config, prefix, layout)
     L = "model.layers.{i}."
     rules = [
         KeyRule("embed_tokens", "model.embed_tokens.weight", "copy"),
@@ -95,10 +187,13 @@ def target_key_map(config: TargetConfig, prefix: str = "model.") -> list[KeyRule
         KeyRule("layers.k", L + "self_attn.k_proj.weight", "linear"),
         KeyRule("layers.v", L + "self_attn.v_proj.weight", "linear"),
         KeyRule("layers.o", L + "self_attn.o_proj.weight", "linear", in_dims=2),
-        KeyRule("layers.gate", L + "mlp.gate_proj.weight", "linear"),
-        KeyRule("layers.up", L + "mlp.up_proj.weight", "linear"),
-        KeyRule("layers.down", L + "mlp.down_proj.weight", "linear"),
     ]
+    if config.is_moe:
+        rules += moe_rules(config, L, layout)
+    if config.dense_mlp_layers:
+        rules += dense_mlp_rules(config, L)
+    if config.attention_sinks:
+        rules.append(KeyRule("layers.sinks", L + "self_attn.sinks", "vector"))
     if not config.tie_word_embeddings:
         rules.append(KeyRule("lm_head", "lm_head.weight", "linear"))
     if config.attention_bias:
@@ -125,19 +220,22 @@ def _state_index(state: nnx.State) -> dict[str, nnx.Variable]:
 
 def check_checkpoint(reader: CheckpointReader, config: TargetConfig, variables: dict[str, nnx.Variable]):
     """Strict key accounting before any tensor is read: raises naming every problem found."""
-    rules = target_key_map(config, checkpoint_prefix(config, reader.keys()))
+    keys = reader.keys()
+    rules = target_key_map(config, checkpoint_prefix(config, keys), expert_layout(config, keys))
     expected: dict[str, tuple[int, ...]] = {}
     for rule, ours, hf, layer in entries(rules, config.num_layers):
         if ours not in variables:
             raise KeyError(f"internal: key map names {ours!r}, which the model does not have")
         shape = tuple(variables[ours].shape)
-        expected[hf] = hf_shape(rule, shape[1:] if layer is not None else shape)
+        expected.update(source_shapes(rule, hf, shape[1:] if layer is not None else shape))
     present = {k: tuple(reader.shape(k)) for k in reader.keys()}
     ignorable = {k for k in present if k.endswith(_IGNORABLE_SUFFIXES)}
     if config.is_hybrid:
         skipped = {k for k in present if k.startswith(HYBRID_SKIPPED_PREFIXES)}
         if skipped:
-            log.info("skipping %d vision / MTP tensors (%s)", len(skipped), ", ".join(HYBRID_SKIPPED_PREFIXES))
+            log.info(
+                "skipping %d vision / MTP tensors (%s)", len(skipped), ", ".join(HYBRID_SKIPPED_PREFIXES)
+            )
         ignorable |= skipped
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some exports keep the tied copy; it must equal embed_tokens
@@ -164,8 +262,13 @@ def load_weights_into(
     if left:
         raise KeyError(f"internal: parameters without an HF key rule: {left}")
     for rule in rules:  # before any tensor is placed: an integer weight would be cast silently
+        if rule.quant is not None:  # packed (MXFP4 uint8 blocks + scales), dequantised on read
+            continue
         layers = rule.layer_indices(config.num_layers) if rule.stacked else ()
-        for name in [rule.hf.format(i=i) for i in layers] if rule.stacked else [rule.hf]:
+        names = [layer_name(rule, i) for i in layers] if rule.stacked else [rule.hf]
+        if rule.experts:  # one tensor per expert
+            names = [n.replace("{e}", str(e)) for n in names for e in range(rule.experts)]
+        for name in names:
             stored = reader.dtype(name)
             if stored.kind in "biu":
                 raise CorruptCheckpointError(
@@ -182,11 +285,11 @@ def load_weights_into(
             per_sharding = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
             parts = []
             for i in rule.layer_indices(config.num_layers):
-                host = to_ours(rule, reader.get(rule.hf.format(i=i)), per_shape).astype(dtype)
+                host = read_ours(rule, reader.get, layer_name(rule, i), per_shape).astype(dtype)
                 parts.append(put_global(host, per_sharding))
             value = _stack(parts, sharding)
         else:
-            host = to_ours(rule, reader.get(rule.hf), shape).astype(dtype)
+            host = read_ours(rule, reader.get, rule.hf, shape).astype(dtype)
             value = put_global(host, sharding)
         var.set_value(value)
         if progress:
@@ -198,16 +301,26 @@ def _stack(parts: list[jax.Array], sharding: NamedSharding) -> jax.Array:
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)
 
 
-def export_target_state(model: nnx.Module) -> dict[str, np.ndarray]:
-    """Our target params -> HF-named numpy tensors (the inverse direction, for tests and tools)."""
+def export_target_state(model: nnx.Module, layout: str | None = None) -> dict[str, np.ndarray]:
+    """Our target params -> HF-named numpy tensors (the inverse direction, for tests and tools);
+    ``layout``: a MoE target's expert layout (default: what transformers writes; not mxfp4)."""
     config: TargetConfig = model.config
+    if layout == "mxfp4":
+        raise ValueError("export_target_state: experts are exported unquantised (layout 'fused')")
     variables = _state_index(nnx.state(model))
-    out = {}
-    for rule in target_key_map(config):
+    out: dict[str, np.ndarray] = {}
+
+    def put(rule, name, value):
+        if rule.experts:
+            out.update(to_hf_experts(rule, name, value))
+        else:
+            out[name] = merge_part(rule, out.get(name), to_hf(rule, value))
+
+    for rule in target_key_map(config, layout=layout):
         value = np.asarray(jax.device_get(variables[rule.ours][...]))
         if rule.stacked:
             for row, i in enumerate(rule.layer_indices(config.num_layers)):
-                out[rule.hf.format(i=i)] = to_hf(rule, value[row])
+                put(rule, layer_name(rule, i), value[row])
         else:
-            out[rule.hf] = to_hf(rule, value)
+            put(rule, rule.hf, value)
     return out

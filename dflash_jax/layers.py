@@ -52,14 +52,22 @@ class RMSNorm(nnx.Module):
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """RoPE settings in HF terms. ``rope_type`` is one of default | linear | llama3."""
+    """RoPE settings in HF terms. ``rope_type`` is one of default | linear | llama3 | yarn.
+
+    YaRN (gpt-oss): frequencies blended between interpolated and extrapolated by a linear ramp
+    over the dims between the ``beta_fast`` / ``beta_slow`` rotation counts, and cos/sin scaled by
+    ``attention_factor`` (None: 0.1 ln(factor) + 1, as transformers infers it)."""
 
     theta: float = 10000.0
-    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self):
         check_fields(self)
@@ -88,7 +96,31 @@ class RopeConfig:
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position_embeddings=int(params["original_max_position_embeddings"]),
             )
+        elif rope_type == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in params:
+                    raise ValueError(f"yarn rope scaling needs {key!r} in rope_parameters/rope_scaling")
+            if params.get("mscale") or params.get("mscale_all_dim"):
+                raise ValueError("yarn rope scaling: mscale / mscale_all_dim are not supported")
+            kw.update(
+                factor=float(params["factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                truncate=bool(params.get("truncate", True)),
+            )
+            if params.get("attention_factor") is not None:
+                kw["attention_factor"] = float(params["attention_factor"])
         return cls(**kw)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on cos/sin (YaRN's attention factor; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
     def to_hf(self) -> dict:
         """The transformers-5 ``rope_parameters`` dict (also valid as legacy ``rope_scaling``)."""
@@ -102,10 +134,42 @@ class RopeConfig:
                 high_freq_factor=self.high_freq_factor,
                 original_max_position_embeddings=self.original_max_position_embeddings,
             )
+        elif self.rope_type == "yarn":
+            out.update(
+                factor=self.factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+                truncate=self.truncate,
+            )
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
         return out
 
 
+def _yarn_inv_freq(config: RopeConfig, head_dim: int) -> jax.Array:
+    """transformers' ``_compute_yarn_parameters`` frequencies (same float32 arithmetic)."""
+    base, dim = config.theta, head_dim
+    orig = config.original_max_position_embeddings
+
+    def correction_dim(rotations):
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(config.beta_fast), correction_dim(config.beta_slow)
+    if config.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (config.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_inv_freq(config: RopeConfig, head_dim: int) -> jax.Array:
+    if config.rope_type == "yarn":
+        return _yarn_inv_freq(config, head_dim)
     inv_freq = 1.0 / (config.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if config.rope_type == "linear":
         inv_freq = inv_freq / config.factor
@@ -128,6 +192,8 @@ def rope_cos_sin(positions: jax.Array, config: RopeConfig, head_dim: int):
     inv_freq = rope_inv_freq(config, head_dim)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([angles, angles], axis=-1)
+    if config.scaling != 1.0:
+        return jnp.cos(emb) * config.scaling, jnp.sin(emb) * config.scaling
     return jnp.cos(emb), jnp.sin(emb)
 
 

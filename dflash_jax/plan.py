@@ -131,6 +131,8 @@ def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> 
     ]
     if t.is_hybrid:  # Gated DeltaNet: q|k|v channels split by key head (value heads follow)
         checks.insert(3, ("tensor", tensor, "linear_num_key_heads (target)", t.linear_num_key_heads))
+    if getattr(t, "is_moe", False):  # whole experts over fsdp x tensor (target/moe.py, docs/mesh.md)
+        checks.insert(3, ("fsdp*tensor", fsdp * tensor, "num_experts (target)", t.num_experts))
     for axis, size, dim, value in checks:
         if size > 1 and value % size:
             raise LayoutError(

@@ -35,6 +35,9 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # MoE expert weights [E, ...]: whole experts spread over the weight-sharding axes (expert
+    # parallelism; target/moe.py, docs/mesh.md)
+    ("experts", ("fsdp", "tensor")),
     ("features", ("fsdp", "tensor")),  # fc input (K taps x hidden): sharded in any layout
 )
 

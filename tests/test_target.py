@@ -217,9 +217,9 @@ def test_unsupported_rope_scaling(good_dir, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(good_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_type: unknown 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type: unknown 'longrope'"):
         dflash_jax.load_target(bad)
 
 

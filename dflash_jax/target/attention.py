@@ -19,6 +19,11 @@ Two packed documents, ``segment = [1 1 1 2 2]``, ``q_index = [0 1 2 3 4]``::
 A decode step with a KV cache is the same picture shifted: ``q_index = lengths[b] + t`` and every
 key in one segment, so the stale tail of the cache (``s > q_index``) is never seen.
 
+gpt-oss adds two things: a sliding ``window`` (a query also needs ``s > q_index - window``; 0 =
+unlimited; a traced scalar, so sliding and full layers share one scanned layer body) and
+``sinks``, one learned logit per query head that joins the softmax's denominator and nothing else
+(the online softmax starts from it instead of from -inf).
+
 ``attend`` is a flash-style formulation: query tiles (``lax.map``) times KV tiles (a loop that
 stops at the last tile the causal bound can reach and skips tiles whose segments cannot match),
 with an online softmax in fp32. Peak memory is O(tile_q x tile_kv) scores per head instead of
@@ -54,17 +59,31 @@ def cache_attention_mask(lengths, new_tokens: int, capacity: int):
     )
 
 
-def attend_reference(q, k, v, q_index, q_segment, kv_segment, scale):
+def _in_window(k_idx, q_index, window):
+    """k_idx [...,S] vs q_index [...,T,1]: inside the sliding window (always, for window <= 0)."""
+    if window is None:
+        return True
+    return (window <= 0) | (k_idx > q_index - window)
+
+
+def attend_reference(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=None, window=None):
     """Dense attention: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H]. Materialises [B,K,G,T,S] fp32."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    mask = (jnp.arange(S)[None, None, :] <= q_index[:, :, None]) & (
-        q_segment[:, :, None] == kv_segment[:, None, :]
+    k_idx = jnp.arange(S)[None, None, :]
+    mask = (
+        (k_idx <= q_index[:, :, None])
+        & (q_segment[:, :, None] == kv_segment[:, None, :])
+        & _in_window(k_idx, q_index[:, :, None], window)
     )
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (B, K, N // K, T, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :S].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # A query that sees no key at all (never produced by the masks above) would get a uniform mix.
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(B, T, N, H)
@@ -90,10 +109,13 @@ def attend(
     *,
     q_tile: int | None = None,
     kv_tile: int | None = None,
+    sinks=None,
+    window=None,
 ):
     """Tiled attention with an online softmax: same contract and values as ``attend_reference``.
 
-    q [B,T,N,H], k/v [B,S,K,H] (N a multiple of K), masks as in the module docstring.
+    q [B,T,N,H], k/v [B,S,K,H] (N a multiple of K), masks as in the module docstring; sinks [N]
+    (optional), window a scalar (optional, 0 = unlimited).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -119,6 +141,10 @@ def attend(
         q_t, qi_t, qs_t = xs  # [B,tq,K,G,H], [B,tq], [B,tq]
         last = jnp.max(qi_t)
         n_needed = jnp.clip(last // tk + 1, 0, nk)  # tiles past the causal bound are never read
+        first = 0
+        if window is not None:  # tiles wholly before every query's window are never read
+            lowest = jnp.min(jnp.where(qi_t >= 0, qi_t, jnp.iinfo(jnp.int32).max)) - window + 1
+            first = jnp.where(window > 0, jnp.clip(lowest // tk, 0, nk), 0)
         q_seg_lo, q_seg_hi = jnp.min(qs_t), jnp.max(qs_t)
 
         def kv_step(j, carry):
@@ -128,8 +154,10 @@ def attend(
                 v_t = jax.lax.dynamic_slice_in_dim(v_p, j * tk, tk, axis=1)
                 ks_t = jax.lax.dynamic_slice_in_dim(kv_seg_p, j * tk, tk, axis=1)
                 k_idx = j * tk + jnp.arange(tk, dtype=jnp.int32)
-                visible = (k_idx[None, None, :] <= qi_t[:, :, None]) & (
-                    qs_t[:, :, None] == ks_t[:, None, :]
+                visible = (
+                    (k_idx[None, None, :] <= qi_t[:, :, None])
+                    & (qs_t[:, :, None] == ks_t[:, None, :])
+                    & _in_window(k_idx[None, None, :], qi_t[:, :, None], window)
                 )  # [B,tq,tk]
                 s = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_t, preferred_element_type=jnp.float32)
                 s = jnp.where(visible[:, None, None], s * scale, NEG_INF)
@@ -145,12 +173,13 @@ def attend(
             overlaps = (kv_seg_hi[j] >= q_seg_lo) & (kv_seg_lo[j] <= q_seg_hi)
             return jax.lax.cond(overlaps, compute, lambda c: c, carry)
 
-        init = (
-            jnp.full((B, K, G, tq), NEG_INF, jnp.float32),
-            jnp.zeros((B, K, G, tq), jnp.float32),
-            jnp.zeros((B, K, G, tq, H), jnp.float32),
-        )
-        _, row_sum, acc = jax.lax.fori_loop(0, n_needed, kv_step, init)
+        if sinks is None:
+            m0, l0 = jnp.full((B, K, G, tq), NEG_INF, jnp.float32), jnp.zeros((B, K, G, tq), jnp.float32)
+        else:  # the sink is one more score with a zero value: exp(sink - m0) = 1 in the sum
+            m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1), (B, K, G, tq))
+            l0 = jnp.ones((B, K, G, tq), jnp.float32)
+        init = (m0, l0, jnp.zeros((B, K, G, tq, H), jnp.float32))
+        _, row_sum, acc = jax.lax.fori_loop(first, n_needed, kv_step, init)
         out = acc / jnp.where(row_sum == 0, 1.0, row_sum)[..., None]  # a query that sees nothing -> 0
         return jnp.einsum("BKGTH->BTKGH", out).astype(q.dtype)
 

@@ -52,7 +52,15 @@ from dflash_jax.target.gated_deltanet import (
     conv_window_at,
     l2_normalize,
 )
-from dflash_jax.target.model import TargetModel, TargetOutput, cached_kv
+from dflash_jax.target.model import (
+    StackedParams,
+    TargetModel,
+    TargetOutput,
+    cached_kv,
+    dense_mlp_specs,
+    layer_period,
+)
+from dflash_jax.target.moe import moe_block, moe_param_specs
 
 DEFAULT_CHUNK = 64
 
@@ -105,19 +113,19 @@ def split_qkv(qkv: jax.Array, c: TargetConfig):
 
 def hybrid_param_specs(c: TargetConfig) -> dict[str, dict[str, tuple[tuple[int, ...], tuple, str]]]:
     """group -> name -> (per-layer shape, logical axes, init). Groups: layers (every layer),
-    attn (full-attention layers), gdn (linear-attention layers)."""
-    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    attn (full-attention layers), gdn (linear-attention layers), moe (qwen3_5_moe: every layer)."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     Hv, Dv = c.linear_num_value_heads, c.linear_value_head_dim
     # The fused q|k|v conv channels are stored grouped by key head (qkv_channel_order), so they
     # split over ``tensor`` along the heads like z, beta, decay and out_proj.
+    layers = {
+        "input_norm": ((D,), ("norm",), "zeros"),
+        "post_norm": ((D,), ("norm",), "zeros"),
+    }
+    if not c.is_moe:  # qwen3_5_moe: every layer's MLP is the MoE block (group ``moe``)
+        layers.update(dense_mlp_specs(c))
     return {
-        "layers": {
-            "input_norm": ((D,), ("norm",), "zeros"),
-            "post_norm": ((D,), ("norm",), "zeros"),
-            "gate": ((D, F), ("embed", "mlp"), "normal"),
-            "up": ((D, F), ("embed", "mlp"), "normal"),
-            "down": ((F, D), ("mlp", "embed"), "normal"),
-        },
+        "layers": layers,
         "attn": {
             "q": ((D, N, 2 * H), ("embed", "heads", "head_dim"), "normal"),  # per head [query ; gate]
             "k": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
@@ -137,28 +145,8 @@ def hybrid_param_specs(c: TargetConfig) -> dict[str, dict[str, tuple[tuple[int, 
             "norm": ((Dv,), ("head_dim",), "ones"),
             "out": ((Hv, Dv, D), ("heads", "head_dim", "embed"), "normal"),
         },
+        **({"moe": moe_param_specs(c)} if c.is_moe else {}),
     }
-
-
-class StackedParams(nnx.Module):
-    """One parameter group, each stacked as [count, ...]."""
-
-    def __init__(self, specs, count: int, *, param_dtype, rngs: nnx.Rngs):
-        self.names = tuple(specs)
-        for name, (shape, axes, init) in specs.items():
-            setattr(self, name, param(rngs, (count, *shape), ("layers", *axes), param_dtype, init=init))
-
-    def stacked(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in self.names}
-
-
-def layer_period(layer_types: tuple[str, ...]) -> int:
-    """The shortest p dividing L with layer_types[i] == layer_types[i % p] (p = L if none shorter)."""
-    L = len(layer_types)
-    for p in range(1, L + 1):
-        if L % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(L)):
-            return p
-    return L
 
 
 # ---- cache ------------------------------------------------------------------------------------
@@ -282,7 +270,9 @@ class HybridTargetModel(TargetModel):
         chunk_size: int = DEFAULT_CHUNK,
     ):
         if not config.is_hybrid:
-            raise ValueError(f"HybridTargetModel needs a qwen3_5 config, got {config.model_type!r}")
+            raise ValueError(
+                f"HybridTargetModel needs a qwen3_5 / qwen3_5_moe config, got {config.model_type!r}"
+            )
         rngs = rngs or nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -297,6 +287,10 @@ class HybridTargetModel(TargetModel):
         self.gdn = StackedParams(
             specs["gdn"], len(c.linear_attention_layers), param_dtype=self.dtype, rngs=rngs
         )
+        if c.is_moe:
+            if c.moe_layers != tuple(range(c.num_layers)):
+                raise ValueError(f"{c.model_type}: every layer must be a MoE layer, got {c.moe_layers}")
+            self.moe = StackedParams(specs["moe"], c.num_layers, param_dtype=self.dtype, rngs=rngs)
         self.norm = param(None, (c.hidden_size,), ("norm",), self.dtype, init="zeros")
         if not c.tie_word_embeddings:
             self.lm_head = param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), self.dtype)
@@ -400,8 +394,8 @@ class HybridTargetModel(TargetModel):
 
         def period(carry, xs):
             h, feats = carry
-            lp, ap, gp, slots, kv, conv_state = xs
-            new_kv, new_conv = [], []
+            lp, ap, gp, slots, kv, conv_state, mp = xs
+            new_kv, new_conv, loads = [], [], []
             ia = ig = 0
             for j, kind in enumerate(kinds):
                 p = jax.tree.map(lambda a, j=j: a[j], lp)
@@ -422,13 +416,19 @@ class HybridTargetModel(TargetModel):
                     ig += 1
                 h = h + out
                 y = rms_norm_1p(h, p["post_norm"], c.rms_norm_eps)
-                h = h + swiglu_mlp(y, p["gate"], p["up"], p["down"])
+                if mp is not None:
+                    out, load = moe_block(y, jax.tree.map(lambda a, j=j: a[j], mp), c)
+                    loads.append(load)
+                    h = h + out
+                else:
+                    h = h + swiglu_mlp(y, p["gate"], p["up"], p["down"])
                 h = constrain(h, ("batch", "length", "act_embed"))
                 feats = jax.lax.dynamic_update_index_in_dim(feats, h, slots[j], axis=0)
             stack = lambda items: (
                 None if cache is None or not items else jax.tree.map(lambda *a: jnp.stack(a), *items)
             )
-            return (h, feats), (stack(new_kv), stack(new_conv))
+            loads = jax.tree.map(lambda *a: jnp.stack(a), *loads) if loads else None
+            return (h, feats), (stack(new_kv), stack(new_conv), loads)
 
         xs = (
             per_period(self.layers.stacked(), P),
@@ -437,8 +437,9 @@ class HybridTargetModel(TargetModel):
             slot_of_layer,
             None if cache is None or not n_attn else per_period((cache.k, cache.v), n_attn),
             None if cache is None or not n_gdn else per_period((cache.conv, cache.state), n_gdn),
+            per_period(self.moe.stacked(), P) if c.is_moe else None,
         )
-        (h, feats), (kv_out, conv_out) = jax.lax.scan(period, (x, feats0), xs)
+        (h, feats), (kv_out, conv_out, loads) = jax.lax.scan(period, (x, feats0), xs)
 
         hidden = rms_norm_1p(h, self.norm[...], c.rms_norm_eps)
         new_cache = None
@@ -466,11 +467,15 @@ class HybridTargetModel(TargetModel):
                 num_key_heads=c.linear_num_key_heads,
                 chunk_size=self.chunk_size,
             )
-        return self._output(hidden, taps.features(feats), new_cache, return_logits)
+        out = self._output(hidden, taps.features(feats), new_cache, return_logits)
+        if loads is not None:
+            out.expert_load = loads.reshape(-1, c.num_experts)
+        return out
 
 
 def build_target_model(config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
-    """The model class for ``config``: HybridTargetModel for qwen3_5, TargetModel otherwise."""
+    """The model class for ``config``: HybridTargetModel for qwen3_5 / qwen3_5_moe, TargetModel
+    otherwise."""
     if config.is_hybrid:
         return HybridTargetModel(config, dtype=dtype, rngs=rngs)
     return TargetModel(config, dtype=dtype, rngs=rngs)

