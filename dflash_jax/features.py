@@ -13,6 +13,7 @@ regenerated data, drafter taps): build the cache with the config (and overrides)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
