@@ -324,3 +324,24 @@ def test_resume_with_another_draft_vocab_size_is_refused(tmp_path):
     # the same size resumes with the stored set, not a new choice
     again = run(load_run_config("tiny", [*base[:-2], "train.steps=3", "drafter.draft_vocab_size=64"]), resume=True, quiet=True)
     assert np.array_equal(np.asarray(again["drafter"].draft_vocab[...]), ids)
+
+
+# --------------------------------------------------------------------------- regeneration cache
+
+
+def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
+    """A new batch size, row length or feature source reuses the answers; other prompts do not."""
+    from dflash_jax.training.regen_cache import regen_key
+    from dflash_jax.training.run_config import load_run_config
+
+    (tmp_path / "config.json").write_text("{}")
+    tok = type("Tok", (), {"name_or_path": "tok", "chat_template": "{{ x }}", "__len__": lambda self: 10})()
+
+    def key(*overrides):
+        return regen_key(load_run_config("demo", list(overrides)), tok, tmp_path)
+
+    base = key()
+    assert key("data.batch_size=1", "data.max_length=256", "data.features=null", "train.learning_rate=0.01") == base
+    assert key("data.max_records=100") != base
+    assert key("regen.max_new_tokens=64") != base
+    assert key("data.heldout_count=8") != base

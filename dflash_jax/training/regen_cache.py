@@ -39,6 +39,23 @@ def _stamp(directory: Path) -> list:
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
+def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
+    """The digest naming a run's regenerated data: what changes the answers, nothing else."""
+    key = json.dumps(
+        {
+            "target": str(Path(target_dir).resolve()),
+            "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
+            "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
+            "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
+            "regen": dataclasses.asdict(cfg.regen),
+            "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tuple[Path, Path]:
     """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
     from dflash_jax.data import sources
@@ -47,20 +64,7 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     from dflash_jax.regenerate import regenerate_records
 
     r = cfg.regen
-    key = json.dumps(
-        {
-            "target": str(Path(target_dir).resolve()),
-            "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
-            "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
-            "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
-            "regen": dataclasses.asdict(r),
-            "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
-        },
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out_dir = assets.cache_root() / "regenerated" / digest
+    out_dir = assets.cache_root() / "regenerated" / regen_key(cfg, tokenizer, target_dir)
     train_path, held_path = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
     if train_path.is_file() and held_path.is_file():
         log.info("using cached regenerated data in %s", out_dir)
