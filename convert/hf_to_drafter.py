@@ -91,10 +91,15 @@ def read_hf_drafter(
     if config.draft_vocab_size is not None:
         missing = [k for k in (T2D_KEY, D2T_KEY) if k not in tensors]
         if missing:
-            raise ValueError(f"{path}: draft_vocab_size={config.draft_vocab_size} but no {' or '.join(missing)} tensor")
+            raise ValueError(
+                f"{path}: draft_vocab_size={config.draft_vocab_size} but no {' or '.join(missing)} tensor"
+            )
         try:
             vocab = draft_vocab_of(
-                tensors[T2D_KEY], tensors[D2T_KEY], draft_vocab_size=config.draft_vocab_size, vocab_size=config.vocab_size
+                tensors[T2D_KEY],
+                tensors[D2T_KEY],
+                draft_vocab_size=config.draft_vocab_size,
+                vocab_size=config.vocab_size,
             )
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e

@@ -79,8 +79,19 @@ def build(
     del source
     taps = tuple(dcfg.target_layer_ids)
     manifest = feature_cache.write_cache(
-        cfg, data_cfg, target, tokenizer, target_dir, taps, out, mesh=mesh, dtype=dtype,
-        rows_per_shard=rows_per_shard, overwrite=overwrite, quiet=quiet, started=t0,
+        cfg,
+        data_cfg,
+        target,
+        tokenizer,
+        target_dir,
+        taps,
+        out,
+        mesh=mesh,
+        dtype=dtype,
+        rows_per_shard=rows_per_shard,
+        overwrite=overwrite,
+        quiet=quiet,
+        started=t0,
     )
     result = json.loads((manifest / feature_cache.MANIFEST).read_text())
     total = sum(e["bytes"] for s in result["shards"] for e in s["files"].values())

@@ -31,7 +31,8 @@ def stub_target_config(**overrides) -> types.SimpleNamespace:
 
 
 class StubTarget:
-    """The duck-typed target interface the drafter relies on: config, embed, logits."""
+    """The duck-typed target interface the drafter relies on: config, embed, lm_head_weight (logits
+    for callers that want the target's own)."""
 
     def __init__(self, config: types.SimpleNamespace, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -42,6 +43,9 @@ class StubTarget:
 
     def embed(self, ids):
         return self.embed_table[ids]
+
+    def lm_head_weight(self):
+        return self.lm_head
 
     def logits(self, hidden):
         return hidden @ self.lm_head

@@ -23,8 +23,8 @@ from convert.speculators import draft_vocab_of, vocab_mappings
 from convert.zlab_drafter import WEIGHTS_FILE, flatten, unflatten
 from dflash_jax.drafter.api import get_params, init_drafter, set_draft_vocab, set_params
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.training.anchors import sample_anchors, slot_targets
-from dflash_jax.training.draft_vocab import choose_draft_vocab, count_labels, label_positions
+from dflash_jax.training.anchors import count_labels, label_positions, sample_anchors, slot_targets
+from dflash_jax.training.draft_vocab import choose_draft_vocab
 from dflash_jax.training.loss import dpace_weights, slot_weights
 from dflash_jax.training.run_config import TrainSection
 from dflash_jax.training.step import drafter_loss, target_pass
@@ -53,11 +53,16 @@ def _batch(R=4, T=48, vocab=512, seed=0):
     mask = np.zeros((R, T), np.int32)
     mask[:, 5:14] = mask[:, 17:22] = 1
     mask[:, T // 2 + 4 : T - 6] = 1
-    return {k: jnp.asarray(v) for k, v in dict(input_ids=ids, positions=positions, segment_ids=seg, loss_mask=mask).items()}
+    return {
+        k: jnp.asarray(v)
+        for k, v in dict(input_ids=ids, positions=positions, segment_ids=seg, loss_mask=mask).items()
+    }
 
 
 def _drafter(target, ids=None, seed=0, **kw):
-    cfg = DrafterConfig.for_target(target.config, num_layers=1, mask_token_id=7, block_size=B, draft_vocab_size=N, **kw)
+    cfg = DrafterConfig.for_target(
+        target.config, num_layers=1, mask_token_id=7, block_size=B, draft_vocab_size=N, **kw
+    )
     drafter = init_drafter(cfg, target, seed)
     if ids is None:
         ids = np.sort(np.random.default_rng(seed + 1).choice(target.config.vocab_size, N, replace=False))
@@ -80,7 +85,11 @@ def test_chosen_set_holds_the_stop_ids_and_the_most_frequent_labels():
     assert ids.dtype == np.int32
     # more ids than distinct labels: filled by id order, still distinct and ascending
     ids = choose_draft_vocab(counts, 8, always=[0])
-    assert len(set(ids.tolist())) == 8 and np.all(np.diff(ids) > 0) and {0, 3, 9, 11, 20, 40} <= set(ids.tolist())
+    assert (
+        len(set(ids.tolist())) == 8
+        and np.all(np.diff(ids) > 0)
+        and {0, 3, 9, 11, 20, 40} <= set(ids.tolist())
+    )
     with pytest.raises(ValueError, match="stop ids"):
         choose_draft_vocab(counts, 4, always=[50])
     with pytest.raises(ValueError, match="draft_vocab_size=1"):
@@ -111,7 +120,9 @@ def _reference_loss(target, drafter, batch, key, cfg, kind):
     the draft set, the slot mask, decay or D-PACE weights."""
     ids = np.asarray(drafter.draft_vocab[...])
     k_anchor, _ = jax.random.split(key)
-    anchors, valid = sample_anchors(k_anchor, batch["loss_mask"], batch["segment_ids"], max_anchors=cfg.max_anchors)
+    anchors, valid = sample_anchors(
+        k_anchor, batch["loss_mask"], batch["segment_ids"], max_anchors=cfg.max_anchors
+    )
     features, hidden = target_pass(target, batch, drafter.config.target_layer_ids)
     embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
     out = drafter.forward_train(features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
@@ -194,7 +205,11 @@ def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
         drafter = _drafter(target)
         opt = nnx.Optimizer(drafter, make_optimizer(cfg), wrt=nnx.Param)
         metrics = apply_train_step(drafter, opt, target, batch, key, cfg, 1e-2)
-        out[m] = (float(metrics["loss"]), float(metrics["label_coverage"]), flatten(jax.device_get(get_params(drafter))))
+        out[m] = (
+            float(metrics["loss"]),
+            float(metrics["label_coverage"]),
+            flatten(jax.device_get(get_params(drafter))),
+        )
     assert out[1][0] == pytest.approx(out[2][0], rel=1e-5) and out[1][1] == pytest.approx(out[2][1], rel=1e-6)
     for k, v in out[1][2].items():
         np.testing.assert_allclose(out[2][2][k], v, rtol=1e-4, atol=2e-5, err_msg=k)
@@ -245,8 +260,10 @@ def test_speculators_export_import_round_trip(target, target_dir, tmp_path):
 
     drafter = _drafter(target, seed=4)
     rng = np.random.default_rng(1)
-    params = {k: np.asarray(v) + (0 if k == "draft_vocab" else 0.1 * rng.normal(size=v.shape).astype(np.float32))
-              for k, v in flatten(get_params(drafter)).items()}
+    params = {
+        k: np.asarray(v) + (0 if k == "draft_vocab" else 0.1 * rng.normal(size=v.shape).astype(np.float32))
+        for k, v in flatten(get_params(drafter)).items()
+    }
     set_params(drafter, unflatten(params))
     run = _run_with(tmp_path, drafter, target_dir)
     # the checkpoint keeps the set with the parameters
@@ -275,7 +292,9 @@ def test_speculators_export_import_round_trip(target, target_dir, tmp_path):
     for k in a:
         assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
     # and back out again: the same t2d/d2t
-    again = load_file(drafter_to_hf.export(imp, tmp_path / "again", fmt="speculators", dtype="float32") / WEIGHTS_FILE)
+    again = load_file(
+        drafter_to_hf.export(imp, tmp_path / "again", fmt="speculators", dtype="float32") / WEIGHTS_FILE
+    )
     assert all(np.array_equal(again[k], tensors[k]) for k in ("t2d", "d2t"))
 
 
@@ -302,7 +321,10 @@ def test_speculators_loads_the_export(target, target_dir, tmp_path):
     model, info = SpeculatorModel.from_pretrained(spec, output_loading_info=True)
     assert not info["missing_keys"], info
     assert speculators.__version__.startswith("0.9")
-    assert torch.equal(model.t2d, torch.from_numpy(np.asarray(jax.device_get(vocab_mappings(drafter.draft_vocab[...], 512)["t2d"]))))
+    assert torch.equal(
+        model.t2d,
+        torch.from_numpy(np.asarray(jax.device_get(vocab_mappings(drafter.draft_vocab[...], 512)["t2d"]))),
+    )
 
 
 # --------------------------------------------------------------------------- resume
@@ -313,16 +335,29 @@ def test_resume_with_another_draft_vocab_size_is_refused(tmp_path):
     from dflash_jax.training.run import run
     from dflash_jax.training.run_config import load_run_config
 
-    base = [f"output_dir={tmp_path / 'r'}", "train.steps=2", "eval.num_prompts=0", "drafter.draft_vocab_size=64"]
+    base = [
+        f"output_dir={tmp_path / 'r'}",
+        "train.steps=2",
+        "eval.num_prompts=0",
+        "drafter.draft_vocab_size=64",
+    ]
     result = run(load_run_config("tiny", base), quiet=True)
     vocab = json.loads((tmp_path / "r" / "draft_vocab.json").read_text())
     assert vocab["draft_vocab_size"] == 64 and 0 < vocab["label_coverage"] <= 1
     ids = np.asarray(result["drafter"].draft_vocab[...])
     assert set(vocab["stop_ids"]) <= set(ids.tolist())
     with pytest.raises(ConfigError, match="drafter.draft_vocab_size: 64 -> 128"):
-        run(load_run_config("tiny", [*base[:-1], "drafter.draft_vocab_size=128", "train.steps=3"]), resume=True, quiet=True)
+        run(
+            load_run_config("tiny", [*base[:-1], "drafter.draft_vocab_size=128", "train.steps=3"]),
+            resume=True,
+            quiet=True,
+        )
     # the same size resumes with the stored set, not a new choice
-    again = run(load_run_config("tiny", [*base[:-2], "train.steps=3", "drafter.draft_vocab_size=64"]), resume=True, quiet=True)
+    again = run(
+        load_run_config("tiny", [*base[:-2], "train.steps=3", "drafter.draft_vocab_size=64"]),
+        resume=True,
+        quiet=True,
+    )
     assert np.array_equal(np.asarray(again["drafter"].draft_vocab[...]), ids)
 
 
@@ -341,7 +376,10 @@ def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
         return regen_key(load_run_config("demo", list(overrides)), tok, tmp_path)
 
     base = key()
-    assert key("data.batch_size=1", "data.max_length=256", "data.features=null", "train.learning_rate=0.01") == base
+    assert (
+        key("data.batch_size=1", "data.max_length=256", "data.features=null", "train.learning_rate=0.01")
+        == base
+    )
     assert key("data.max_records=100") != base
     assert key("regen.max_new_tokens=64") != base
     assert key("data.heldout_count=8") != base

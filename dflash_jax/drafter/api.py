@@ -42,8 +42,14 @@ def set_params(drafter: DFlashDrafter, params: dict) -> DFlashDrafter:
     got = jax.tree.map(lambda x: tuple(x.shape), params)
     if want != got:
         raise ValueError(f"drafter params do not match the model: expected {want}, got {got}")
-    cast = {k: (jnp.asarray(v, jnp.int32) if k == "draft_vocab" else jax.tree.map(lambda x: jnp.asarray(x, pdt), v))
-            for k, v in params.items()}
+    cast = {
+        k: (
+            jnp.asarray(v, jnp.int32)
+            if k == "draft_vocab"
+            else jax.tree.map(lambda x: jnp.asarray(x, pdt), v)
+        )
+        for k, v in params.items()
+    }
     nnx.replace_by_pure_dict(state, cast)
     nnx.update(drafter, state)
     return drafter
@@ -56,10 +62,14 @@ def set_draft_vocab(drafter: DFlashDrafter, target_ids) -> DFlashDrafter:
     n = drafter.config.draft_vocab_size
     ids = np.unique(np.asarray(target_ids, np.int64))
     if n is None or ids.size != n or len(np.asarray(target_ids)) != n:
-        raise ValueError(f"draft vocabulary of {len(np.asarray(target_ids))} ids ({ids.size} distinct) for a drafter "
-                         f"with draft_vocab_size={n}")
+        raise ValueError(
+            f"draft vocabulary of {len(np.asarray(target_ids))} ids ({ids.size} distinct) for a drafter "
+            f"with draft_vocab_size={n}"
+        )
     if ids[0] < 0 or ids[-1] >= drafter.config.vocab_size:
-        raise ValueError(f"draft vocabulary ids must lie in [0, {drafter.config.vocab_size}), got {ids[0]}..{ids[-1]}")
+        raise ValueError(
+            f"draft vocabulary ids must lie in [0, {drafter.config.vocab_size}), got {ids[0]}..{ids[-1]}"
+        )
     value = drafter.draft_vocab[...]
     sharding = getattr(value, "sharding", None)
     new = jnp.asarray(ids, jnp.int32)

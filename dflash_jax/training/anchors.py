@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def anchor_candidates(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -68,3 +69,22 @@ def slot_targets(anchors, anchor_valid, loss_mask, segment_ids, block_size: int)
     trained = anchor_valid[..., None] & (jnp.cumprod(ok.astype(jnp.int32), axis=-1) == 1)
     label_pos = jnp.where(trained, predicted - 1, anchors[..., None]).astype(jnp.int32)
     return label_pos, trained
+
+
+# --------------------------------------------------------------------------- label counts (host)
+
+
+def label_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """[R, T] bool: positions p whose label (the target's argmax at p, the next token) a block can
+    train, i.e. p+1 lies in the loss mask of p's document (anchors.slot_targets' label positions)."""
+    loss_mask, segment_ids = np.asarray(loss_mask), np.asarray(segment_ids)
+    out = np.zeros(loss_mask.shape, bool)
+    nxt = (loss_mask[:, 1:] != 0) & (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] != 0)
+    out[:, :-1] = nxt
+    return out
+
+
+def count_labels(labels, loss_mask, segment_ids, vocab_size: int) -> np.ndarray:
+    """int64 [V]: how often each target id is the label at a trainable position of these rows."""
+    keep = label_positions(loss_mask, segment_ids)
+    return np.bincount(np.asarray(labels)[keep].astype(np.int64), minlength=vocab_size)[:vocab_size]

@@ -17,23 +17,9 @@ import logging
 
 import numpy as np
 
+from dflash_jax.training.anchors import count_labels
+
 log = logging.getLogger(__name__)
-
-
-def label_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
-    """[R, T] bool: positions p whose label (the target's argmax at p, the next token) a block can
-    train, i.e. p+1 lies in the loss mask of p's document (anchors.slot_targets' label positions)."""
-    loss_mask, segment_ids = np.asarray(loss_mask), np.asarray(segment_ids)
-    out = np.zeros(loss_mask.shape, bool)
-    nxt = (loss_mask[:, 1:] != 0) & (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] != 0)
-    out[:, :-1] = nxt
-    return out
-
-
-def count_labels(labels, loss_mask, segment_ids, vocab_size: int) -> np.ndarray:
-    """int64 [V]: how often each target id is the label at a trainable position of these rows."""
-    keep = label_positions(loss_mask, segment_ids)
-    return np.bincount(np.asarray(labels)[keep].astype(np.int64), minlength=vocab_size)[:vocab_size]
 
 
 def choose_draft_vocab(counts: np.ndarray, size: int, always=()) -> np.ndarray:
@@ -116,7 +102,11 @@ def label_counts_online(target, data_cfg, tokenizer, mesh, *, compute_dtype: str
     @nnx.jit
     def labels_of(target, batch):
         out = target(
-            batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"], layer_ids=(), return_logits=False
+            batch["input_ids"],
+            batch["positions"],
+            segment_ids=batch["segment_ids"],
+            layer_ids=(),
+            return_logits=False,
         )
         return target_argmax(out.hidden, target.lm_head_weight(), chunk=chunk, compute_dtype=dtype)
 
@@ -147,7 +137,9 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
     return float(np.sum(np.asarray(counts)[ids]) / total) if total else 1.0
 
 
-def choose_for_run(cfg, drafter, target, tokenizer, data_cfg, mesh, *, features_dir=None, quiet=False) -> dict:
+def choose_for_run(
+    cfg, drafter, target, tokenizer, data_cfg, mesh, *, features_dir=None, quiet=False
+) -> dict:
     """Choose and install the draft vocabulary of a new run's ``drafter`` (``drafter.draft_vocab_size``):
     label counts from the feature cache ``features_dir`` when the run has one, else from a target
     pass over one epoch of ``data_cfg``. Returns a summary (size, coverage, where the counts came from)."""
@@ -172,7 +164,12 @@ def choose_for_run(cfg, drafter, target, tokenizer, data_cfg, mesh, *, features_
                 "with python -m dflash_jax.features and set data.features"
             )
         counts = label_counts_online(
-            target, data_cfg, tokenizer, mesh, compute_dtype=cfg.train.compute_dtype, chunk=cfg.train.loss_chunk,
+            target,
+            data_cfg,
+            tokenizer,
+            mesh,
+            compute_dtype=cfg.train.compute_dtype,
+            chunk=cfg.train.loss_chunk,
             quiet=quiet,
         )
         source = "a target pass over one epoch"
@@ -191,6 +188,12 @@ def choose_for_run(cfg, drafter, target, tokenizer, data_cfg, mesh, *, features_
     }
     log.info(
         "draft vocabulary: %d of %d ids (stop ids %s) cover %.2f%% of %d training labels (%d distinct), from %s",
-        n, V, list(stops), 100 * summary["label_coverage"], summary["labels_counted"], summary["distinct_labels"], source,
+        n,
+        V,
+        list(stops),
+        100 * summary["label_coverage"],
+        summary["labels_counted"],
+        summary["distinct_labels"],
+        source,
     )
     return summary

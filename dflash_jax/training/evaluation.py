@@ -55,7 +55,9 @@ def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
     return out
 
 
-def measure_tau(cfg: RunConfig, target, drafter, tokenizer, prompts, *, max_new_tokens: int | None = None) -> dict:
+def measure_tau(
+    cfg: RunConfig, target, drafter, tokenizer, prompts, *, max_new_tokens: int | None = None
+) -> dict:
     """Greedy speculative decoding of the held-out prompts: tau (z-lab's per-prompt mean) with its
     standard error over prompts, per-slot acceptance, and what it rests on."""
     from dflash_jax.eval import evaluate

@@ -446,7 +446,7 @@ def write_cache(
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, resolve_num_shards
     from dflash_jax.sharding import BATCH_AXES, logical_sharding
-    from dflash_jax.training.draft_vocab import count_labels
+    from dflash_jax.training.anchors import count_labels
     from dflash_jax.training.loss import target_argmax
     from dflash_jax.training.step import target_pass
 

@@ -114,7 +114,9 @@ def run(
     )
     features_dir = cfg.data.features
     if features_dir == "auto":  # built once beside the regenerated data, reused by later runs
-        features_dir = feature_cache.auto_cache_dir(cfg, data_cfg, target_dir, tokenizer, dcfg.target_layer_ids)
+        features_dir = feature_cache.auto_cache_dir(
+            cfg, data_cfg, target_dir, tokenizer, dcfg.target_layer_ids
+        )
         if not (features_dir / feature_cache.MANIFEST).is_file():
             if jax.process_count() > 1:
                 raise ConfigError(
@@ -124,8 +126,15 @@ def run(
             log.info("building the feature cache %s (once; later runs reuse it)", features_dir)
             with jax.set_mesh(mesh):
                 feature_cache.write_cache(
-                    cfg, data_cfg, target, tokenizer, target_dir, dcfg.target_layer_ids, features_dir,
-                    mesh=mesh, quiet=quiet,
+                    cfg,
+                    data_cfg,
+                    target,
+                    tokenizer,
+                    target_dir,
+                    dcfg.target_layer_ids,
+                    features_dir,
+                    mesh=mesh,
+                    quiet=quiet,
                 )
     drafter = init_drafter(dcfg, target, cfg.train.seed)
     has_vocab = False
@@ -137,7 +146,14 @@ def run(
         del source
     if dcfg.draft_vocab_size is not None and not resume and not has_vocab:
         vocab_summary = draft_vocab.choose_for_run(
-            cfg, drafter, target, tokenizer, data_cfg, mesh, features_dir=features_dir, quiet=quiet or not primary
+            cfg,
+            drafter,
+            target,
+            tokenizer,
+            data_cfg,
+            mesh,
+            features_dir=features_dir,
+            quiet=quiet or not primary,
         )
         if primary:
             (run_dir / "draft_vocab.json").write_text(json.dumps(vocab_summary, indent=2))
@@ -220,18 +236,32 @@ def run(
         log.info(
             "held-out tau %s training: %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
             "acceptance of draft slots 1..8: %s",
-            when, rep["tau"], rep["tau_stderr"] or 0.0, rep["num_prompts"], cfg.eval.max_new_tokens,
-            rep["verify_steps"], slots,
+            when,
+            rep["tau"],
+            rep["tau_stderr"] or 0.0,
+            rep["num_prompts"],
+            cfg.eval.max_new_tokens,
+            rep["verify_steps"],
+            slots,
         )
 
     def tau_curve(step: int):  # a short held-out tau during training, for the curve in metrics.png
         rep = evaluation.measure_tau(
-            cfg, target, drafter, tokenizer, eval_prompts[: cfg.eval.curve_prompts],
+            cfg,
+            target,
+            drafter,
+            tokenizer,
+            eval_prompts[: cfg.eval.curve_prompts],
             max_new_tokens=cfg.eval.curve_max_new_tokens,
         )
         logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
-        log.info("step %d: held-out tau %.3f (%d prompts x %d tokens)", step, rep["tau"], rep["num_prompts"],
-                 cfg.eval.curve_max_new_tokens)
+        log.info(
+            "step %d: held-out tau %.3f (%d prompts x %d tokens)",
+            step,
+            rep["tau"],
+            rep["num_prompts"],
+            cfg.eval.curve_max_new_tokens,
+        )
 
     def heldout_streak(step: int, when: str):
         metrics = evaluation.heldout_metrics(eval_step, drafter, target, held_batches, eval_key)
@@ -265,7 +295,9 @@ def run(
                 decay_steps=decay_steps,
                 on_decay_steps=lambda n: schedule_file.write_text(json.dumps({"decay_steps": n})),
                 on_eval=tau_curve if eval_prompts and primary and jax.process_count() == 1 else None,
-                eval_every_s=None if cfg.eval.curve_every_minutes is None else 60 * cfg.eval.curve_every_minutes,
+                eval_every_s=None
+                if cfg.eval.curve_every_minutes is None
+                else 60 * cfg.eval.curve_every_minutes,
             )
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report

@@ -79,9 +79,13 @@ class DrafterSection:
         if self.anchor_chunk < 1:
             raise ValueError(f"drafter.anchor_chunk must be >= 1, got {self.anchor_chunk}")
         if self.draft_vocab_size is not None and (
-            isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 2
+            isinstance(self.draft_vocab_size, bool)
+            or not isinstance(self.draft_vocab_size, int)
+            or self.draft_vocab_size < 2
         ):
-            raise ValueError(f"drafter.draft_vocab_size must be an int >= 2 or null, got {self.draft_vocab_size!r}")
+            raise ValueError(
+                f"drafter.draft_vocab_size must be an int >= 2 or null, got {self.draft_vocab_size!r}"
+            )
         for name in ("mask_token_id", "intermediate_size"):
             v = getattr(self, name)
             if v is not None and v < (0 if name == "mask_token_id" else 1):
@@ -186,7 +190,9 @@ class EvalSection:
 
     def __post_init__(self):
         if self.curve_every_minutes is not None and not self.curve_every_minutes > 0:
-            raise ValueError(f"eval.curve_every_minutes must be > 0 or null, got {self.curve_every_minutes!r}")
+            raise ValueError(
+                f"eval.curve_every_minutes must be > 0 or null, got {self.curve_every_minutes!r}"
+            )
         for name in ("curve_prompts", "curve_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)!r}")

@@ -381,7 +381,10 @@ def init_from_target_layers(drafter, target) -> None:
             "use drafter.init=random"
         )
     if (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) != (
-        tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size
+        tc.num_heads,
+        tc.num_kv_heads,
+        tc.head_dim,
+        tc.intermediate_size,
     ):
         raise ConfigError("drafter.init=target needs the drafter's heads and MLP width to be the target's")
     first = tc.num_layers - cfg.num_layers
@@ -406,5 +409,9 @@ def init_from_target_layers(drafter, target) -> None:
         for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             layer["mlp"][ours] = w[theirs][src]
     set_params(drafter, jax.tree.map(jnp.asarray, params))
-    log.info("initialised the drafter from target layers %d..%d (fc selects tap %d)", first, tc.num_layers - 1,
-             cfg.target_layer_ids[-1])
+    log.info(
+        "initialised the drafter from target layers %d..%d (fc selects tap %d)",
+        first,
+        tc.num_layers - 1,
+        cfg.target_layer_ids[-1],
+    )
