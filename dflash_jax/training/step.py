@@ -107,6 +107,7 @@ def block_loss(
     draft_logits=None,
     position_labels=None,
     draft_vocab=None,
+    draft_head=None,
 ):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
@@ -118,7 +119,8 @@ def block_loss(
     draft_vocab [N] int32: the target ids the drafter's N logits stand for (invariant 9), or None
     (N = V). ``ce``: a slot whose label (the target's argmax over all V) is outside them is left out
     of the loss, numerator and normaliser alike, and counted (``label_coverage``); ``kl``: the
-    target's distribution restricted to the N ids and renormalised.
+    target's distribution restricted to the N ids and renormalised (over ``draft_head``, the
+    drafter's already gathered ``lm_head[:, draft_vocab]``, when given: one gather per step).
     """
     R, A, B, D = draft.shape
     label_pos, item_mask = slot_targets(anchors, anchor_valid, loss_mask, segment_ids, B)
@@ -142,8 +144,9 @@ def block_loss(
     else:
         slot_labels = None
         target_h = gather_positions(hidden, label_pos).reshape(-1, D)
-        if draft_vocab is not None:
-            head = jnp.take(jax.lax.stop_gradient(lm_head), draft_vocab, axis=1)
+        if draft_vocab is not None:  # the drafter's own N rows when the caller has them gathered
+            head = draft_head if draft_head is not None else jnp.take(lm_head, draft_vocab, axis=1)
+            head = jax.lax.stop_gradient(head)
     loss_i, correct, labels = chunked_token_loss(
         draft[:, :, 1:].reshape(-1, D),
         target_h,
@@ -222,6 +225,7 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         draft_logits=lambda h: drafter.logits(h, target, compute_dtype=dtype, head=head),
         position_labels=position_labels,
         draft_vocab=draft_vocab,
+        draft_head=head,
     )
     metrics = {
         "loss_sum": extra["loss_sum"],
