@@ -41,12 +41,10 @@ def build(
     ``dtype``: the stored dtype of features (and hidden states); None keeps the dtype the target
     computes them in (exact). ``rows_per_shard`` is rounded up to whole batches."""
     import jax
-    from transformers import AutoTokenizer
 
-    import dflash_jax
     from dflash_jax.sharding import make_mesh
     from dflash_jax.training import feature_cache, setup
-    from dflash_jax.training.regen_cache import data_configs, regenerated_data
+    from dflash_jax.training.assembly import assemble
 
     t0 = time.perf_counter()
     if jax.process_count() > 1:
@@ -64,27 +62,15 @@ def build(
     online = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
     setup.check_layout(online, jax.device_count(), 1)
     mesh = make_mesh(cfg.mesh)
-    # The same target the trainer resolves (a tiny one is made under output_dir, as by train).
-    target_dir, tok_dir = setup.resolve_target(cfg, Path(cfg.output_dir).expanduser().resolve())
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype, mesh=mesh)
-    data_cfg = cfg.data
-    if cfg.regen.enabled:
-        data_cfg, _ = data_configs(cfg, *regenerated_data(cfg, target, tokenizer, target_dir))
-    warm = cfg.drafter.init_from
-    source = setup.load_warm_start(warm, target) if warm else None
-    dcfg = setup.build_drafter_config(
-        cfg, target, tokenizer, source=None if source is None else source.config, source_path=warm
-    )
-    del source
-    taps = tuple(dcfg.target_layer_ids)
+    # The same parts the trainer resolves (a tiny target is made under output_dir, as by train).
+    parts = assemble(cfg, mesh=mesh)
     manifest = feature_cache.write_cache(
         cfg,
-        data_cfg,
-        target,
-        tokenizer,
-        target_dir,
-        taps,
+        parts.data,
+        parts.target,
+        parts.tokenizer,
+        parts.target_dir,
+        tuple(parts.drafter_config.target_layer_ids),
         out,
         mesh=mesh,
         dtype=dtype,

@@ -15,8 +15,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from convert.drafter_reader import read_drafter
 from convert.hf_target import load_weights_into
-from convert.hf_to_drafter import read_drafter
 from convert.safetensors_io import CheckpointReader
 from dflash_jax.drafter.api import set_params, target_config_of
 from dflash_jax.drafter.model import DFlashDrafter
@@ -60,7 +60,7 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
 def load_drafter(path: str | Path, target, *, step: int | None = None, **overrides) -> DFlashDrafter:
     """Load a drafter from one of our orbax checkpoints (a run dir, its ``checkpoints/`` dir or a
     ``<step>`` dir; ``step`` picks one, default the latest) or an HF directory (z-lab or
-    speculators layout: config.json + safetensors), via ``convert.hf_to_drafter.read_drafter``.
+    speculators layout: config.json + safetensors), via ``convert.drafter_reader.read_drafter``.
 
     ``overrides`` set our own config fields, e.g. ``attention_impl="reference"`` or
     ``compute_dtype="bfloat16"``. The drafter is checked against ``target`` (model or config)

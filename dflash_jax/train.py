@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             init_from=args.init_from,
             quiet=args.quiet,
             device_memory=memory,
+            preflight=plan.check_run_fits,
         )
     except plan.PlanDoesNotFit as e:
         print(f"does not fit, nothing loaded:\n{e}", file=sys.stderr)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from hf_fixtures import save_hf_model
 
-from convert import drafter_to_hf, hf_to_drafter
+from convert import drafter_reader, drafter_to_hf, hf_to_drafter
 from convert.zlab_drafter import WEIGHTS_FILE, flatten, param_shapes, unflatten
 from dflash_jax.checkpoint import Checkpointer, CheckpointError, read_checkpoint, resolve_checkpoint
 from dflash_jax.drafter.api import get_params, init_drafter, set_params
@@ -234,12 +234,12 @@ def test_speculators_export_and_import(target, target_dir, tmp_path):
     # verifier's config.json, and with no verifier either the import asks for it.
     del cfg["transformer_layer_config"]["num_target_layers"]
     (spec / "config.json").write_text(json.dumps(cfg))
-    assert hf_to_drafter.read_hf_drafter(spec)[0] == drafter.config
+    assert drafter_reader.read_hf_drafter(spec)[0] == drafter.config
     cfg["speculators_config"]["verifier"]["name_or_path"] = None
     (spec / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="--num-target-layers"):
-        hf_to_drafter.read_hf_drafter(spec)
-    config, _, _ = hf_to_drafter.read_hf_drafter(spec, num_target_layers=4)
+        drafter_reader.read_hf_drafter(spec)
+    config, _, _ = drafter_reader.read_hf_drafter(spec, num_target_layers=4)
     assert config == drafter.config
 
 

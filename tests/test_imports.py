@@ -1,6 +1,8 @@
 """Import direction of the source tree, read with ``ast`` (every import, including lazy ones inside
-functions): model code sits below loading, checkpoints, converters, training and the CLIs; the
-Pallas kernels depend on jax/numpy only; no two modules import each other, directly or round a loop.
+functions): model code sits below loading, checkpoints, converters, training, decoding, the tools
+and the CLIs; no module imports an entry point (a ``__main__`` module); the library never imports
+the tools (``dflash_jax.tools``: planner, benchmarks, profiling); the Pallas kernels depend on
+jax/numpy only; no two modules import each other, directly or round a loop.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ PACKAGES = ("dflash_jax", "convert", "pallas_kernels")
 # Model code: the target and drafter networks and the layers / sharding rules they are built from.
 MODEL_CODE = ("dflash_jax.target", "dflash_jax.drafter", "dflash_jax.layers", "dflash_jax.sharding")
 # What sits above model code (besides entry points, found below): none of it may be imported by it.
-ABOVE_MODEL = ("convert", "dflash_jax.training", "dflash_jax.loading", "dflash_jax.checkpoint")
+ABOVE_MODEL = (
+    "convert",
+    "dflash_jax.training",
+    "dflash_jax.decoding",
+    "dflash_jax.tools",
+    "dflash_jax.loading",
+    "dflash_jax.checkpoint",
+)
+# On top of the library: planner, HLO statistics, mesh experiment, profiling, benchmarks.
+TOOLS = ("dflash_jax.tools",)
 KERNEL_DEPS = ("jax", "jaxlib", "numpy", "pallas_kernels")
 
 
@@ -62,8 +73,10 @@ def _imports(name: str, path: Path, tree: ast.Module) -> set[str]:
 IMPORTS = {name: _imports(name, path, tree) for name, (path, tree) in SOURCES.items()}
 
 
-def _is_entry_point(tree: ast.Module) -> bool:
-    """A CLI module: it has an ``if __name__ == "__main__":`` block."""
+def _is_entry_point(name: str, tree: ast.Module) -> bool:
+    """A CLI module: a package's ``__main__`` or a module with an ``if __name__ == "__main__":`` block."""
+    if name.endswith(".__main__"):
+        return True
     for node in tree.body:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
             left = node.test.left
@@ -72,7 +85,7 @@ def _is_entry_point(tree: ast.Module) -> bool:
     return False
 
 
-ENTRY_POINTS = sorted(name for name, (_, tree) in SOURCES.items() if _is_entry_point(tree))
+ENTRY_POINTS = sorted(name for name, (_, tree) in SOURCES.items() if _is_entry_point(name, tree))
 
 
 def _within(name: str, prefixes) -> bool:
@@ -94,6 +107,28 @@ def test_model_code_imports_no_loader_converter_training_or_cli():
         if _within(dep, forbidden)
     )
     assert not bad, "model code must not import these:\n" + "\n".join(bad)
+
+
+def test_no_module_imports_an_entry_point():
+    # A command line is a leaf: what others need from it belongs in a library module under it.
+    bad = sorted(
+        f"{name} imports {dep}"
+        for name, deps in IMPORTS.items()
+        for dep in deps
+        if dep in ENTRY_POINTS and not name.endswith(".__main__")
+    )
+    assert not bad, "entry points (modules with a __main__ block) imported by other modules:\n" + "\n".join(bad)
+
+
+def test_the_library_never_imports_the_tools():
+    bad = sorted(
+        f"{name} imports {dep}"
+        for name, deps in IMPORTS.items()
+        if not _within(name, TOOLS) and name not in ENTRY_POINTS
+        for dep in deps
+        if _within(dep, TOOLS)
+    )
+    assert not bad, "library modules must not import dflash_jax.tools:\n" + "\n".join(bad)
 
 
 # The one optional backend of the kernels: imported inside its functions, only for

@@ -725,7 +725,7 @@ def test_26_5_batch_layout_is_checked_before_anything_is_written(
 def test_26_8_nonfinite_values_are_refused_in_configs_and_drafters(tiny_run, monkeypatch):
     """lr=nan passed every `<= 0` bound; eval scored a NaN drafter tau 1.0 (import refused one)."""
     import dflash_jax.checkpoint as ck
-    from convert import hf_to_drafter
+    from convert import drafter_reader
     from dflash_jax.config_io import ConfigError
     from dflash_jax.loading import load_drafter
     from dflash_jax.training.run_config import load_run_config
@@ -739,7 +739,7 @@ def test_26_8_nonfinite_values_are_refused_in_configs_and_drafters(tiny_run, mon
         cfg, params, run_cfg = real(*a, **k)
         return cfg, jax.tree.map(lambda x: np.full_like(x, np.nan), params), run_cfg
 
-    monkeypatch.setattr(hf_to_drafter, "read_checkpoint", nan_params)
+    monkeypatch.setattr(drafter_reader, "read_checkpoint", nan_params)
     with pytest.raises(FloatingPointError, match=r"parameters not finite"):
         load_drafter(tiny_run, None)
 

@@ -59,6 +59,7 @@ from dflash_jax.target.model import (
     cached_kv,
     dense_mlp_specs,
     layer_period,
+    per_period,
 )
 from dflash_jax.target.moe import moe_block, moe_param_specs
 
@@ -387,21 +388,20 @@ class HybridTargetModel(TargetModel):
         kinds = c.layer_types[:P]
         n_attn = sum(k == FULL_ATTENTION for k in kinds)
         n_gdn = P - n_attn
-        per_period = lambda tree, n: jax.tree.map(lambda a: a.reshape(G, n, *a.shape[1:]), tree)
 
         slot_of_layer = taps.slots(c.num_layers).reshape(G, P)
         feats0 = taps.buffer(B, T, c.hidden_size, self.dtype)
 
         def period(carry, xs):
             h, feats = carry
-            lp, ap, gp, slots, kv, conv_state, mp = xs
+            layer_params, attn_params, gdn_params, slots, kv, conv_state, moe_params = xs
             new_kv, new_conv, loads = [], [], []
             ia = ig = 0
             for j, kind in enumerate(kinds):
-                p = jax.tree.map(lambda a, j=j: a[j], lp)
+                p = jax.tree.map(lambda a, j=j: a[j], layer_params)
                 y = rms_norm_1p(h, p["input_norm"], c.rms_norm_eps)
                 if kind == FULL_ATTENTION:
-                    pa = jax.tree.map(lambda a, ia=ia: a[ia], ap)
+                    pa = jax.tree.map(lambda a, ia=ia: a[ia], attn_params)
                     layer_kv = None if kv is None else (kv[0][ia], kv[1][ia])
                     out, nkv = self._attention(
                         pa, y, cos, sin, mask, layer_kv, None if cache is None else cache.lengths
@@ -409,15 +409,15 @@ class HybridTargetModel(TargetModel):
                     new_kv.append(nkv)
                     ia += 1
                 else:
-                    pg = jax.tree.map(lambda a, ig=ig: a[ig], gp)
+                    pg = jax.tree.map(lambda a, ig=ig: a[ig], gdn_params)
                     layer_cs = None if conv_state is None else (conv_state[0][ig], conv_state[1][ig])
                     out, ncs = self._deltanet(pg, y, segment_ids, layer_cs)
                     new_conv.append(ncs)
                     ig += 1
                 h = h + out
                 y = rms_norm_1p(h, p["post_norm"], c.rms_norm_eps)
-                if mp is not None:
-                    out, load = moe_block(y, jax.tree.map(lambda a, j=j: a[j], mp), c)
+                if moe_params is not None:
+                    out, load = moe_block(y, jax.tree.map(lambda a, j=j: a[j], moe_params), c)
                     loads.append(load)
                     h = h + out
                 else:
@@ -431,13 +431,13 @@ class HybridTargetModel(TargetModel):
             return (h, feats), (stack(new_kv), stack(new_conv), loads)
 
         xs = (
-            per_period(self.layers.stacked(), P),
-            per_period(self.attn.stacked(), n_attn) if n_attn else None,
-            per_period(self.gdn.stacked(), n_gdn) if n_gdn else None,
+            per_period(self.layers.stacked(), G, P),
+            per_period(self.attn.stacked(), G, n_attn) if n_attn else None,
+            per_period(self.gdn.stacked(), G, n_gdn) if n_gdn else None,
             slot_of_layer,
-            None if cache is None or not n_attn else per_period((cache.k, cache.v), n_attn),
-            None if cache is None or not n_gdn else per_period((cache.conv, cache.state), n_gdn),
-            per_period(self.moe.stacked(), P) if c.is_moe else None,
+            None if cache is None or not n_attn else per_period((cache.k, cache.v), G, n_attn),
+            None if cache is None or not n_gdn else per_period((cache.conv, cache.state), G, n_gdn),
+            per_period(self.moe.stacked(), G, P) if c.is_moe else None,
         )
         (h, feats), (kv_out, conv_out, loads) = jax.lax.scan(period, (x, feats0), xs)
 

@@ -112,7 +112,8 @@ def dense_mlp_specs(c: TargetConfig) -> dict:
 
 
 class StackedParams(nnx.Module):
-    """One parameter group, each stacked as [count, ...]."""
+    """One parameter group of ``count`` layers, each parameter stacked as [count, ...] (scanned
+    over): the dense and hybrid targets' layers, attention, DeltaNet and expert groups alike."""
 
     def __init__(self, specs, count: int, *, param_dtype, rngs: nnx.Rngs):
         self.names = tuple(specs)
@@ -147,22 +148,6 @@ def dense_mlp(y, p):
         up_bias=p.get("up_bias"),
         down_bias=p.get("down_bias"),
     )
-
-
-class DecoderStack(nnx.Module):
-    """All decoder layers, each parameter stacked as [L, ...]."""
-
-    def __init__(self, config: TargetConfig, *, param_dtype, rngs: nnx.Rngs):
-        self.names = tuple(_layer_param_specs(config))
-        for name, (shape, axes, init) in _layer_param_specs(config).items():
-            setattr(
-                self,
-                name,
-                param(rngs, (config.num_layers, *shape), ("layers", *axes), param_dtype, init=init),
-            )
-
-    def stacked(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in self.names}
 
 
 def _attend(q, k, v, mask, scale):
@@ -241,7 +226,7 @@ class TargetModel(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
-        self.layers = DecoderStack(c, param_dtype=self.dtype, rngs=rngs)
+        self.layers = StackedParams(_layer_param_specs(c), c.num_layers, param_dtype=self.dtype, rngs=rngs)
         if c.is_moe:
             self.moe = StackedParams(moe_param_specs(c), len(c.moe_layers), param_dtype=self.dtype, rngs=rngs)
             if c.dense_mlp_layers:
@@ -334,21 +319,23 @@ class TargetModel(nnx.Module):
 
         def period(carry, xs):
             h, feats = carry
-            lp, mp, dp, slots, kv, windows = xs
+            layer_params, moe_params, dense_params, slots, kv, windows = xs
             new_kv, loads = [], []
             im = idn = 0
             for j, kind in enumerate(kinds):
-                p = jax.tree.map(lambda a, j=j: a[j], lp)
+                p = jax.tree.map(lambda a, j=j: a[j], layer_params)
                 layer_kv = None if kv is None else (kv[0][j], kv[1][j])
                 h, nkv = attention(p, h, layer_kv, windows[j])
                 new_kv.append(nkv)
                 y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
                 if kind == MOE_MLP:
-                    out, load = moe_block(y, jax.tree.map(lambda a, im=im: a[im], mp), c)
+                    out, load = moe_block(y, jax.tree.map(lambda a, im=im: a[im], moe_params), c)
                     loads.append(load)
                     im += 1
                 else:
-                    out = dense_mlp(y, p if not c.is_moe else jax.tree.map(lambda a, i=idn: a[i], dp))
+                    out = dense_mlp(
+                        y, p if not c.is_moe else jax.tree.map(lambda a, i=idn: a[i], dense_params)
+                    )
                     idn += 1
                 h = constrain(h + out, ("batch", "length", "act_embed"))
                 feats = jax.lax.dynamic_update_index_in_dim(feats, h, slots[j], axis=0)

@@ -7,10 +7,14 @@ Held-out prompts are never trained on; tau is measured with greedy speculative d
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 
 import numpy as np
 
 from dflash_jax.training.run_config import RunConfig
+
+log = logging.getLogger("dflash_jax.train")
 
 
 def heldout_batches(tokenizer, data_cfg, n_batches: int = 2) -> list[dict]:
@@ -89,3 +93,69 @@ def measure_tau(
         "tau_pooled": s["tau_pooled"],
         "summary": s,
     }
+
+
+class HeldoutReports:
+    """What a run reports about its drafter on data it never trains on: tau before/after training
+    (``eval_<when>.json`` in the run dir, logged with per-slot acceptance), a short tau for the
+    curve during training, and the held-out loss/streak of the regenerated held-out batches."""
+
+    def __init__(self, cfg: RunConfig, parts, drafter, eval_step, batches, *, logger, result: dict, run_dir):
+        import jax
+
+        self.cfg, self.parts, self.drafter, self.eval_step, self.batches = (
+            cfg,
+            parts,
+            drafter,
+            eval_step,
+            batches,
+        )
+        self.logger, self.result, self.run_dir = logger, result, run_dir
+        self.key = jax.random.key(cfg.train.seed + 1)
+
+    def tau(self, when: str) -> None:
+        cfg, prompts = self.cfg, list(self.parts.eval_prompts)
+        if not prompts:
+            return
+        rep = measure_tau(cfg, self.parts.target, self.drafter, self.parts.tokenizer, prompts)
+        self.result[f"tau_{when}"], self.result[f"eval_{when}"] = rep["tau"], rep
+        (self.run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
+        slots = " ".join("-" if a is None else f"{a:.2f}" for a in rep["per_slot_acceptance"][:8])
+        log.info(
+            "held-out tau %s training: %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
+            "acceptance of draft slots 1..8: %s",
+            when,
+            rep["tau"],
+            rep["tau_stderr"] or 0.0,
+            rep["num_prompts"],
+            cfg.eval.max_new_tokens,
+            rep["verify_steps"],
+            slots,
+        )
+
+    def tau_curve(self, step: int) -> None:
+        """A short held-out tau during training, for the curve in metrics.png."""
+        cfg = self.cfg
+        rep = measure_tau(
+            cfg,
+            self.parts.target,
+            self.drafter,
+            self.parts.tokenizer,
+            list(self.parts.eval_prompts[: cfg.eval.curve_prompts]),
+            max_new_tokens=cfg.eval.curve_max_new_tokens,
+        )
+        self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
+        log.info(
+            "step %d: held-out tau %.3f (%d prompts x %d tokens)",
+            step,
+            rep["tau"],
+            rep["num_prompts"],
+            cfg.eval.curve_max_new_tokens,
+        )
+
+    def streak(self, step: int, when: str) -> None:
+        metrics = heldout_metrics(self.eval_step, self.drafter, self.parts.target, self.batches, self.key)
+        if metrics is not None:
+            self.logger.log(step, metrics, prefix="heldout")
+            self.result[f"heldout_streak_{when}"] = float(metrics["streak"])
+            log.info("held-out streak %s training: %.3f", when, metrics["streak"])

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.cli import UserError
+from dflash_jax.config_io import ConfigError
 from dflash_jax.dtypes import to_dtype
 
 log = logging.getLogger(__name__)
@@ -535,6 +536,40 @@ def auto_cache_dir(cfg, data_cfg, target_dir: Path, tokenizer, taps) -> Path:
     identity = run_identity(cfg, data_cfg, target_dir, tokenizer, taps)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return assets.cache_root() / "features" / digest
+
+
+def ensure_for_run(cfg, parts, mesh, *, quiet: bool = False) -> Path | None:
+    """The feature cache a run trains from (None: online). ``data.features: auto`` builds it once,
+    beside the regenerated data, under a digest of what made its rows; later runs reuse it (a
+    cache is never replaced: written to a temporary sibling and renamed)."""
+    import jax
+
+    features = cfg.data.features
+    if features != "auto":
+        return Path(features) if features else None
+    path = auto_cache_dir(
+        cfg, parts.data, parts.target_dir, parts.tokenizer, parts.drafter_config.target_layer_ids
+    )
+    if not (path / MANIFEST).is_file():
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "data.features=auto builds its cache on one process: build it with python -m "
+                "dflash_jax.features and pass its directory"
+            )
+        log.info("building the feature cache %s (once; later runs reuse it)", path)
+        with jax.set_mesh(mesh):
+            write_cache(
+                cfg,
+                parts.data,
+                parts.target,
+                parts.tokenizer,
+                parts.target_dir,
+                parts.drafter_config.target_layer_ids,
+                path,
+                mesh=mesh,
+                quiet=quiet,
+            )
+    return path
 
 
 def open_for_run(

@@ -195,10 +195,18 @@ def resolve_target(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
         tok_dir = Path(t.tokenizer) if t.tokenizer and t.tokenizer != "smollm2" else smollm2_dir()
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
         return make_tiny_target_dir(t, vocab, run_dir), tok_dir
-    target_dir = smollm2_dir() if t.path == "smollm2" else Path(t.path)
+    target_dir = resolve_target_dir(t)
     tok = t.tokenizer
     tok_dir = smollm2_dir() if tok == "smollm2" else Path(tok) if tok else target_dir
     return target_dir, tok_dir
+
+
+def resolve_target_dir(section: TargetSection) -> Path:
+    """The directory of a target given by path (``smollm2``: the prepared package asset); a tiny
+    target has none until its tokenizer is read (``resolve_target``)."""
+    if section.path == "tiny":
+        raise ConfigError("target.path=tiny: the tiny target is made inside the run dir (resolve_target)")
+    return smollm2_dir() if section.path == "smollm2" else Path(section.path)
 
 
 def check_data_sources(cfg: RunConfig) -> None:
@@ -309,10 +317,13 @@ def load_warm_start(path: str, target):
     return load_drafter(path, target)
 
 
-def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_path: str | None = None):
-    """The drafter config of this run: the section's fields over the warm-start ``source``'s config
-    (everything it defines is kept: taps and their order, mask token, layer types, window,
-    in-block causality, embedding/logit scales, soft-cap), or over the defaults without one."""
+def build_drafter_config(
+    cfg: RunConfig, target_config, tokenizer, source=None, source_path: str | None = None
+):
+    """The drafter config of this run for a target of ``target_config``: the section's fields over
+    the warm-start ``source``'s config (everything it defines is kept: taps and their order, mask
+    token, layer types, window, in-block causality, embedding/logit scales, soft-cap), or over the
+    defaults without one (the mask token then comes from ``tokenizer``)."""
     from dflash_jax.drafter.config import DrafterConfig
 
     d = cfg.drafter
@@ -329,18 +340,52 @@ def build_drafter_config(cfg: RunConfig, target, tokenizer, source=None, source_
                     f"drafter.{name}={ours!r} conflicts with the warm-start drafter {source_path}, "
                     f"which has {name}={theirs!r} (leave drafter.{name} unset to keep it)"
                 )
-        source.check_target(target.config)
+        source.check_target(target_config)
         # Training keeps fp32 master weights whatever precision the source was stored in.
         return source.replace(**impl, **extra, param_dtype="float32", compute_dtype="float32")
     shape = {name: getattr(d, name) for name in SHAPE_FIELDS if getattr(d, name) is not None}
     for name, default in SHAPE_DEFAULTS.items():
         shape.setdefault(name, default)
     if "mask_token_id" not in shape:
-        shape["mask_token_id"] = choose_mask_token_id(tokenizer, target.config.vocab_size)
+        shape["mask_token_id"] = choose_mask_token_id(tokenizer, target_config.vocab_size)
     num_layers, mask_id = shape.pop("num_layers"), shape.pop("mask_token_id")
     return DrafterConfig.for_target(
-        target.config, num_layers=num_layers, mask_token_id=mask_id, **shape, **impl
+        target_config, num_layers=num_layers, mask_token_id=mask_id, **shape, **impl
     )
+
+
+def make_drafter(cfg: RunConfig, parts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool):
+    """The run's drafter before it is placed on the mesh: initialised (random, from the target's
+    last layers with ``drafter.init: target``, or the warm start's weights) and, with a draft
+    vocabulary, its ids chosen once (``draft_vocab.json`` in the run dir). A resume restores all of
+    it from the checkpoint afterwards."""
+    from dflash_jax import distributed
+    from dflash_jax.drafter.api import init_drafter
+    from dflash_jax.training import draft_vocab
+
+    target, source = parts.target, parts.warm_source
+    drafter = init_drafter(parts.drafter_config, target, cfg.train.seed)
+    if source is None and cfg.drafter.init == "target" and not resume:
+        init_from_target_layers(drafter, target)
+    has_vocab = False
+    if source is not None:
+        init_params_from(drafter, source, parts.warm_start)
+        has_vocab = source.config.draft_vocab_size is not None
+    if parts.drafter_config.draft_vocab_size is not None and not resume and not has_vocab:
+        primary = distributed.is_primary()
+        summary = draft_vocab.choose_for_run(
+            cfg,
+            drafter,
+            target,
+            parts.tokenizer,
+            parts.data,
+            mesh,
+            features_dir=features_dir,
+            quiet=quiet or not primary,
+        )
+        if primary:
+            (run_dir / "draft_vocab.json").write_text(json.dumps(summary, indent=2))
+    return drafter
 
 
 def tuple_if_list(value):

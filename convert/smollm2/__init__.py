@@ -17,12 +17,11 @@ interrupted run never leaves a half-written directory at the final path; leftove
 are swept by the next one. Before the rename the saved directory is reloaded and its logits are
 checked against the GGUF-loaded model's.
 
-CLI: ``python -m convert.smollm2 [--out DIR | --cache-dir DIR] [--force]`` prints the directory.
+CLI (``__main__.py``): ``python -m convert.smollm2 [--out DIR | --cache-dir DIR] [--force]`` prints the directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -34,7 +33,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from convert.logs import add_verbose_flag, configure_logging
 from dflash_jax.assets import cache_root, smollm2_gguf_path
 
 logger = logging.getLogger(__name__)
@@ -309,24 +307,3 @@ def _sha256(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m convert.smollm2",
-        description="Convert the packaged SmolLM2-135M-Instruct GGUF into an HF safetensors directory.",
-    )
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--out", type=Path, help="exact output directory")
-    where.add_argument(
-        "--cache-dir", type=Path, help="cache root (default: $DFLASH_JAX_CACHE or ~/.cache/dflash_jax)"
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose)
-    print(prepare_smollm2(args.cache_dir, out_dir=args.out, force=args.force))
-
-
-if __name__ == "__main__":
-    main()
