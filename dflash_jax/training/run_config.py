@@ -1,7 +1,8 @@
 """RunConfig: everything a training run needs, loaded from YAML plus ``key=value`` overrides.
 
-The shipped configs (``tiny``, ``demo``, ...) are package data in ``dflash_jax/configs``, found
-through importlib.resources, so ``--config tiny`` works from a wheel install too.
+The shipped configs (``tiny``, ``demo``, ...) live in ``configs/`` at the top of the repo; the wheel
+carries them as package data ``dflash_jax/configs`` (pyproject's package-dir mapping), so
+``--config tiny`` works from a source checkout and from a wheel install alike.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from dflash_jax.drafter.config import AttentionImpl, LayerType, require_attentio
 from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
-SHIPPED_CONFIGS = "dflash_jax.configs"
+def shipped_config_dir():
+    """The directory of the shipped configs: inside the installed package (a wheel), else the
+    repo's ``configs/`` beside the package (a source checkout or an editable install)."""
+    packaged = resources.files("dflash_jax") / "configs"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass(frozen=True)
@@ -227,7 +234,7 @@ def shipped_configs() -> list[str]:
     """Names of the configs shipped inside the package (``tiny``, ``demo``, ...)."""
     return sorted(
         e.name.removesuffix(".yaml")
-        for e in resources.files(SHIPPED_CONFIGS).iterdir()
+        for e in shipped_config_dir().iterdir()
         if e.name.endswith(".yaml")
     )
 
@@ -243,7 +250,7 @@ def load_run_config(name_or_path: str = "demo", overrides: list[str] | tuple[str
             raise ConfigError(
                 f"config {name_or_path!r} not found (a YAML path, or one of: {', '.join(shipped_configs())})"
             )
-        with resources.as_file(resources.files(SHIPPED_CONFIGS) / f"{name}.yaml") as path:
+        with resources.as_file(shipped_config_dir() / f"{name}.yaml") as path:
             data = load_yaml(path)
     data = apply_overrides(data, list(overrides))
     return from_dict(RunConfig, data)

@@ -1,1 +1,0 @@
-"""The shipped run configs (YAML), found by name through importlib.resources."""
