@@ -21,6 +21,7 @@ import numpy as np
 from convert.hf_mapping import KeyRule, check_tensors, entries, hf_shape, to_hf, to_ours
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.dtypes import DTYPE_NAMES, to_dtype
+from dflash_jax.nested import flatten, unflatten
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -77,29 +78,6 @@ def params_to_hf(params: dict, config: DrafterConfig, dtype=None) -> dict[str, n
     for rule, ours, hf, _ in _entries(config):
         x = np.asarray(flat[ours])
         out[hf] = to_hf(rule, x if dtype is None else x.astype(dtype))
-    return out
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, path + "."))
-        else:
-            out[path] = v
-    return out
-
-
-def unflatten(flat: dict) -> dict:
-    """Dotted paths -> nested dict; all-digit parts become ints (nnx.List indices)."""
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
     return out
 
 

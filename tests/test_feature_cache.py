@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.features import build, main
+from dflash_jax.nested import flatten
 from dflash_jax.train import run
-from dflash_jax.training import feature_cache, step
+from dflash_jax.training import step
 from dflash_jax.training.feature_cache import (
     CachedBatchIterator,
     CacheWriter,
@@ -108,7 +109,7 @@ def test_cache_for_another_run_is_refused(cache, tmp_path, override, field):
     path, manifest = cache
     with pytest.raises(FeatureCacheError, match=rf"{path}.*{field}: cache has (.+), this run has (.+)") as e:
         run(tiny(tmp_path, f"data.features={path}", override), quiet=True)
-    cached = feature_cache._flatten(manifest["identity"])[field]
+    cached = flatten(manifest["identity"], empty_as_leaf=True)[field]
     assert repr(cached) in str(e.value)
 
 

@@ -117,7 +117,9 @@ def test_no_module_imports_an_entry_point():
         for dep in deps
         if dep in ENTRY_POINTS and not name.endswith(".__main__")
     )
-    assert not bad, "entry points (modules with a __main__ block) imported by other modules:\n" + "\n".join(bad)
+    assert not bad, "entry points (modules with a __main__ block) imported by other modules:\n" + "\n".join(
+        bad
+    )
 
 
 def test_the_library_never_imports_the_tools():

@@ -48,6 +48,7 @@ import numpy as np
 from dflash_jax.cli import UserError
 from dflash_jax.config_io import ConfigError
 from dflash_jax.dtypes import to_dtype
+from dflash_jax.nested import flatten
 
 log = logging.getLogger(__name__)
 
@@ -140,19 +141,10 @@ def run_identity(cfg, data_cfg, target_dir: Path, tokenizer, taps) -> dict:
     }
 
 
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
 def check_identity(cache_identity: dict, run: dict, where: str) -> None:
     """Raise naming every field where the cache at ``where`` and the run disagree, with both values."""
-    a, b = _flatten(cache_identity), _flatten(json.loads(json.dumps(run, default=str)))
+    a = flatten(cache_identity, empty_as_leaf=True)
+    b = flatten(json.loads(json.dumps(run, default=str)), empty_as_leaf=True)
     wrong = [k for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
     if wrong:
         detail = "; ".join(

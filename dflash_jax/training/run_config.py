@@ -18,6 +18,7 @@ from dflash_jax.drafter.config import AttentionImpl, LayerType, require_attentio
 from dflash_jax.dtypes import ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
+
 def shipped_config_dir():
     """The directory of the shipped configs: inside the installed package (a wheel), else the
     repo's ``configs/`` beside the package (a source checkout or an editable install)."""
@@ -233,9 +234,7 @@ class RunConfig:
 def shipped_configs() -> list[str]:
     """Names of the configs shipped inside the package (``tiny``, ``demo``, ...)."""
     return sorted(
-        e.name.removesuffix(".yaml")
-        for e in shipped_config_dir().iterdir()
-        if e.name.endswith(".yaml")
+        e.name.removesuffix(".yaml") for e in shipped_config_dir().iterdir() if e.name.endswith(".yaml")
     )
 
 

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from dflash_jax.config_io import ConfigError
+from dflash_jax.nested import flatten
 
 # Files a run writes into its directory (removed by --overwrite). Cached artefacts live elsewhere.
 RUN_FILES = (
@@ -135,17 +136,6 @@ def check_writable(directory: Path) -> None:
 
 def _has_checkpoint(ckpt_dir: Path) -> bool:
     return ckpt_dir.is_dir() and any(p.is_dir() and p.name.isdigit() for p in ckpt_dir.iterdir())
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def resume_changes(stored: dict, requested: dict) -> tuple[list[str], list[str]]:
