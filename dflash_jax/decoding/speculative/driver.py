@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         rows, drafts = np.zeros((B,), bool), np.full((B, S - 1), -1, np.int32)
         logq = None if self.sampling.temperature == 0 else np.zeros((B, S - 1, self.vocab_size), np.float32)
         for n, v in enumerate(sorted(set(verify[active & (verify < S)].tolist()))):
-            tok, lq = jax.device_get(
+            tail_tokens, tail_logq = jax.device_get(
                 draft_only(
                     self.t_graph,
                     self.t_state,
@@ -128,9 +128,9 @@ class SpeculativeDecoder:
                 )
             )
             sel = active & (verify == v)
-            drafts[sel, : v - 1] = tok[sel]  # -1 after them: never a target token, never checked
+            drafts[sel, : v - 1] = tail_tokens[sel]  # -1 after them: never a target token, never checked
             if logq is not None:
-                logq[sel, : v - 1] = lq[sel]
+                logq[sel, : v - 1] = tail_logq[sel]
             rows |= sel
         return jnp.asarray(rows), jnp.asarray(drafts), None if logq is None else jnp.asarray(logq)
 
@@ -174,16 +174,16 @@ class SpeculativeDecoder:
             max_new_tokens=max_new_tokens,
             sampling=self.sampling,
         )
-        none = self._override_none(B, self.vocab_size)
-        n = 0
+        no_override = self._override_none(B, self.vocab_size)
+        step_index = 0
         while True:
             start, max_len, done = jax.device_get((state.start, state.max_len, state.done))
             active = ~done
             if not active.any():
                 break
-            step_key = jax.random.fold_in(key, n)
+            step_key = jax.random.fold_in(key, step_index)
             verify = np.minimum(self.block_size, max_len - start)
-            override = none
+            override = no_override
             if self.exact_tail and (verify[active] < self.block_size).any():
                 override = self._tail_drafts(state, verify, active, jax.random.fold_in(step_key, 1))
             state = decode_step(
@@ -197,7 +197,7 @@ class SpeculativeDecoder:
                 jax.random.fold_in(step_key, 0),
                 sampling=self.sampling,
             )
-            n += 1
+            step_index += 1
 
         seq, start, max_len, num_steps, produced_log, accepted_log, drafted_log = jax.device_get(
             (
