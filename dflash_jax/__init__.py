@@ -17,8 +17,8 @@ _EXPORTS = {
     "DFlashDrafter": "dflash_jax.drafter.model",
     "init_drafter": "dflash_jax.drafter.api",
     "load_drafter": "dflash_jax.loading",
-    "speculative_generate": "dflash_jax.speculative",
-    "evaluate": "dflash_jax.eval",
+    "speculative_generate": "dflash_jax.decoding.speculative",
+    "evaluate": "dflash_jax.decoding.evaluation",
     "make_mesh": "dflash_jax.sharding",
     "MeshConfig": "dflash_jax.sharding",
 }

@@ -205,7 +205,7 @@ def bench_attention(args) -> dict:
 def bench_generate(args) -> dict:
     import dflash_jax
     from convert.smollm2 import smollm2_dir
-    from dflash_jax.generate import generate
+    from dflash_jax.decoding.generate import generate
 
     path = smollm2_dir() if args.target == "smollm2" else args.target
     target = dflash_jax.load_target(path, dtype=args.dtype)

@@ -356,10 +356,10 @@ def compare_eval(args) -> dict:
     from dflash import model as dm
 
     from convert.zlab_drafter import write_zlab_drafter
+    from dflash_jax.decoding.generate import generate
+    from dflash_jax.decoding.speculative import speculative_generate
     from dflash_jax.drafter.api import get_params, init_drafter
     from dflash_jax.drafter.config import DrafterConfig
-    from dflash_jax.generate import generate
-    from dflash_jax.speculative import speculative_generate
 
     path = target_dir(args.small)
     target, hf = load_both(path)

@@ -4,32 +4,14 @@
       [--max-new-tokens N] [--block-size S] [--batch-size B] [--json OUT]
 
 ``--drafter``: one of our checkpoints (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF
-drafter directory (z-lab or speculators layout). ``--prompts``: JSONL, one prompt per line, any of
+drafter directory (z-lab or speculators layout). ``--prompts``: JSONL of ``messages``, ``prompt`` or
+``input_ids`` lines (formats in ``dflash_jax.decoding.evaluation``); text prompts need a tokenizer
+(``--tokenizer``, default the target dir).
 
-  {"messages": [{"role": "user", "content": "..."}, ...]}   chat (template applied; turns up to
-                                                            the first assistant reply are kept)
-  {"prompt": "..."}                                         a user message (template applied)
-  {"input_ids": [1, 2, 3]}                                  pre-tokenized, used as is
-
-with an optional "id". Text prompts need a tokenizer (``--tokenizer``, default the target dir).
-
-Decoding is batched speculative decoding in JAX (``dflash_jax.speculative``), greedy by default:
-lossless, so the output equals the target's own greedy decoding, which the evaluator checks against
-the plain KV-cache decoder (``dflash_jax.generate``) unless ``--no-baseline``.
-
-Reported (z-lab's benchmark conventions where it has one):
-
-* ``tau``: mean acceptance length per verify step, counting the bonus token, averaged per prompt
-  then over prompts (z-lab's "Average Acceptance length"); ``tau_pooled``: all produced tokens over
-  all steps;
-* ``histogram``: fraction of steps that produced b tokens, b = 0..S;
-* ``per_position_acceptance[k-1]``: fraction of steps whose draft k was accepted, among steps that
-  checked a draft k; ``conditional_acceptance``: the same among steps that accepted draft k-1;
-* ``target_forward_speedup``: target forward passes of plain decoding (one per output token) over
-  those of speculative decoding (prefill + one per step);
-* ``tokens_per_s`` (speculative and baseline) and ``wall_speedup``, excluding compilation (a
-  warm-up batch per prompt-length bucket runs first, unless ``--no-warmup``).
-
+Greedy by default: lossless, so the output equals the target's own greedy decoding, which is
+checked against plain KV-cache decoding unless ``--no-baseline`` (exit 1 on a mismatch). The
+metrics (tau, histogram, per-position acceptance, forward and wall speedups) are described in
+``dflash_jax.decoding.evaluation``; timings exclude compilation unless ``--no-warmup``.
 ``--temperature > 0`` samples with the standard speculative-sampling acceptance rule (lossless in
 distribution, not token-for-token; no baseline comparison is made then).
 """
@@ -40,326 +22,23 @@ import argparse
 import json
 import logging
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_jax.cli import check_output_free, cli
+from dflash_jax.decoding.evaluation import PromptError, evaluate, format_summary, load_prompts
+from dflash_jax.decoding.prompts import stop_token_ids
 from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
 
-class PromptError(ValueError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------
-# Prompts
-# ------------------------------------------------------------------------------------------
-
-
-def _chat_messages(obj: dict, where: str) -> list[dict]:
-    """The turns of a chat prompt record up to the first assistant reply."""
-    from dflash_jax.data.sources import BadRecordError, prompt_messages, record_turns
-
-    try:
-        out = prompt_messages(record_turns(obj, origin=where))
-    except BadRecordError as e:
-        raise PromptError(str(e)) from None
-    if not out:
-        raise PromptError(f"{where}: no turn before the first assistant reply")
-    return out
-
-
-def load_prompts(
-    path: str | Path, tokenizer=None, *, enable_thinking: bool | None = None, limit: int | None = None
-) -> list[dict]:
-    """Read a prompts JSONL (see module doc) -> ``[{"id", "input_ids"}]``.
-
-    ``tokenizer`` may be a tokenizer or a zero-argument callable returning one (loaded only when a
-    text prompt needs it). Errors name the line.
-    """
-    from dflash_jax.regenerate import encode_prompt
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    tok_cache: list = []
-
-    def get_tokenizer(where):
-        if not tok_cache:
-            tok = (
-                tokenizer()
-                if callable(tokenizer) and not hasattr(tokenizer, "apply_chat_template")
-                else tokenizer
-            )
-            if tok is None:
-                raise PromptError(
-                    f"{where}: a text prompt needs a tokenizer (pass --tokenizer, or use input_ids)"
-                )
-            tok_cache.append(tok)
-        return tok_cache[0]
-
-    prompts = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{where}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict):
-                raise PromptError(f"{where}: expected a JSON object")
-            if "input_ids" in obj:
-                ids = obj["input_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(isinstance(t, int) and t >= 0 for t in ids)
-                ):
-                    raise PromptError(f"{where}: 'input_ids' must be a non-empty list of non-negative ints")
-            elif "prompt" in obj:
-                if not isinstance(obj["prompt"], str):
-                    raise PromptError(f"{where}: 'prompt' must be a string")
-                msgs = [{"role": "user", "content": obj["prompt"]}]
-                ids = encode_prompt(get_tokenizer(where), msgs, enable_thinking)
-            elif "messages" in obj or "conversations" in obj:
-                ids = encode_prompt(get_tokenizer(where), _chat_messages(obj, where), enable_thinking)
-            else:
-                raise PromptError(f"{where}: needs one of 'input_ids', 'prompt', 'messages'")
-            prompts.append({"id": str(obj.get("id", len(prompts))), "input_ids": [int(t) for t in ids]})
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise PromptError(f"{path}: no prompts")
-    return prompts
-
-
-# ------------------------------------------------------------------------------------------
-# Metrics
-# ------------------------------------------------------------------------------------------
-
-
-def acceptance_stats(outputs, block_size: int) -> dict:
-    """tau (z-lab's and pooled), histogram and per-position acceptance of SpecOutputs."""
-    per_prompt = [o.acceptance_lengths for o in outputs if o.acceptance_lengths]
-    all_steps = [a for lst in per_prompt for a in lst]
-    accepted = [a for o in outputs for a in o.accepted]
-    drafted = [d for o in outputs for d in o.drafted]
-    n = len(all_steps)
-    hist = [all_steps.count(b) / n if n else 0.0 for b in range(block_size + 1)]
-    per_pos, cond = [], []
-    for k in range(1, block_size):
-        tried = [a for a, d in zip(accepted, drafted, strict=True) if d >= k]
-        reached = [a for a in tried if a >= k - 1]
-        per_pos.append(sum(a >= k for a in tried) / len(tried) if tried else None)
-        cond.append(sum(a >= k for a in reached) / len(reached) if reached else None)
-    return {
-        "tau": sum(sum(x) / len(x) for x in per_prompt) / len(per_prompt) if per_prompt else None,
-        "tau_pooled": sum(all_steps) / n if n else None,
-        "num_steps": n,
-        "histogram": hist,
-        "per_position_acceptance": per_pos,
-        "conditional_acceptance": cond,
-    }
-
-
-# ------------------------------------------------------------------------------------------
-# Evaluation
-# ------------------------------------------------------------------------------------------
-
-
-def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
-
-
-def evaluate(
-    target,
-    drafter,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int = 256,
-    stop_token_ids: Sequence[int] = (),
-    block_size: int | None = None,
-    sampling=None,
-    batch_size: int = 8,
-    baseline: bool = True,
-    warmup: bool = True,
-    seed: int = 0,
-    ids: Sequence[str] | None = None,
-    progress: bool = False,
-    exact_tail: bool = True,
-    attention_impl: str | None = "xla",
-) -> dict:
-    """Speculative decoding of token-id ``prompts``; returns ``{"summary": ..., "prompts": [...]}``.
-
-    ``baseline``: also decode with the plain KV-cache decoder, for tokens/s and (greedy) the
-    lossless check. ``warmup``: run one batch per prompt-length bucket first so timings exclude
-    compilation. ``attention_impl``: the drafter's attention for decoding (default ``xla``, so a
-    drafter straight from Pallas training runs anywhere; None keeps its config's).
-    """
-    import jax
-    from tqdm import tqdm
-
-    from dflash_jax.generate import SamplingConfig, bucket_length, generate
-    from dflash_jax.speculative import SpeculativeDecoder
-
-    sampling = sampling or SamplingConfig()
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = [list(p) for p in prompts]
-    dec = SpeculativeDecoder(
-        target,
-        drafter,
-        block_size=block_size,
-        sampling=sampling,
-        exact_tail=exact_tail,
-        attention_impl=attention_impl,
-    )
-    S = dec.block_size
-    batches = _batches(prompts, batch_size)
-    stops = tuple(int(s) for s in stop_token_ids)
-    key = jax.random.key(seed)
-
-    def run_spec(idx, b):
-        return dec.run_batch(
-            [prompts[i] for i in idx],
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stops,
-            batch_size=batch_size,
-            key=jax.random.fold_in(key, b),
-        )
-
-    def run_base(idx, b):
-        return generate(
-            target,
-            [prompts[i] for i in idx],
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=stops,
-            sampling=sampling,
-            batch_size=batch_size,
-            seed=seed + b,
-        )
-
-    if warmup:
-        seen = set()
-        for b, idx in enumerate(batches):
-            bucket = bucket_length(max(len(prompts[i]) for i in idx))
-            if bucket not in seen:
-                seen.add(bucket)
-                run_spec(idx, b)
-                if baseline:
-                    run_base(idx, b)
-
-    def timed(run, desc):
-        """Every batch through ``run``; per-prompt results in prompt order, and the seconds."""
-        out = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc=desc, disable=not progress)
-        t0 = time.perf_counter()
-        for b, idx in enumerate(batches):
-            for i, o in zip(idx, run(idx, b), strict=True):
-                out[i] = o
-            bar.update(len(idx))
-        seconds = time.perf_counter() - t0
-        bar.close()
-        return out, seconds
-
-    outputs, spec_s = timed(run_spec, "speculative")
-    base_out, base_s = timed(run_base, "baseline") if baseline else (None, None)
-
-    n_out = sum(len(o.output_ids) for o in outputs)
-    spec_forwards = sum(o.target_forwards for o in outputs)
-    summary = {
-        "num_prompts": len(prompts),
-        "block_size": S,
-        "max_new_tokens": max_new_tokens,
-        "temperature": sampling.temperature,
-        "batch_size": batch_size,
-        **acceptance_stats(outputs, S),
-        "output_tokens": n_out,
-        "target_forwards": spec_forwards,
-        "baseline_target_forwards": n_out,
-        "target_forward_speedup": n_out / spec_forwards if spec_forwards else None,
-        "seconds": spec_s,
-        "tokens_per_s": n_out / spec_s if spec_s > 0 else None,
-    }
-    rows = []
-    for i, o in enumerate(outputs):
-        row = {
-            "id": ids[i] if ids is not None else str(i),
-            "prompt_len": o.prompt_len,
-            "output_ids": o.output_ids,
-            "acceptance_lengths": o.acceptance_lengths,
-            "accepted": o.accepted,
-            "num_steps": o.num_steps,
-            "tau": sum(o.acceptance_lengths) / o.num_steps if o.num_steps else None,
-            "stopped": o.stopped,
-        }
-        if base_out is not None:
-            row["baseline_output_ids"] = base_out[i]
-            if sampling.temperature == 0:
-                row["matches_baseline"] = base_out[i] == o.output_ids
-        rows.append(row)
-    if base_out is not None:
-        n_base = sum(len(x) for x in base_out)
-        summary.update(
-            baseline_seconds=base_s,
-            baseline_tokens_per_s=n_base / base_s if base_s > 0 else None,
-            wall_speedup=(n_out / spec_s) / (n_base / base_s)
-            if spec_s > 0 and base_s > 0 and n_base
-            else None,
-        )
-        if sampling.temperature == 0:
-            summary["matches_baseline"] = sum(r["matches_baseline"] for r in rows)
-            summary["lossless"] = summary["matches_baseline"] == len(rows)
-    return {"summary": summary, "prompts": rows}
-
-
-def format_summary(s: dict) -> str:
-    def f(x, spec=".3f"):
-        return "n/a" if x is None else format(x, spec)
-
-    lines = [
-        f"prompts: {s['num_prompts']}  block size: {s['block_size']}  max new tokens: {s['max_new_tokens']}  "
-        f"temperature: {s['temperature']}",
-        f"tau (z-lab, per-prompt mean): {f(s['tau'])}   pooled: {f(s['tau_pooled'])}   steps: {s['num_steps']}",
-        "acceptance length histogram: "
-        + " ".join(f"{b}:{h * 100:.1f}%" for b, h in enumerate(s["histogram"])),
-        "per-position acceptance: " + " ".join(f(x, ".2f") for x in s["per_position_acceptance"]),
-        f"target forwards: {s['target_forwards']} vs {s['baseline_target_forwards']} plain "
-        f"(speedup {f(s['target_forward_speedup'], '.2f')}x)",
-        f"speculative: {s['output_tokens']} tokens in {s['seconds']:.2f}s = {f(s['tokens_per_s'], '.1f')} tok/s",
-    ]
-    if "baseline_seconds" in s:
-        lines.append(
-            f"baseline: {f(s['baseline_tokens_per_s'], '.1f')} tok/s; wall speedup {f(s['wall_speedup'], '.2f')}x"
-        )
-    if "lossless" in s:
-        lines.append(
-            f"lossless check: {s['matches_baseline']}/{s['num_prompts']} outputs equal plain greedy decoding"
-            + ("" if s["lossless"] else "  <-- MISMATCH")
-        )
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------
-
-
 def _stop_ids(args, target_config, tokenizer) -> tuple[int, ...]:
+    """--ignore-eos: none; --stop-token-ids: those, as given; else the target's and tokenizer's EOS ids."""
     if args.ignore_eos:
         return ()
     if args.stop_token_ids is not None:
         return tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
-    ids = set(target_config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
+    return stop_token_ids(target_config, tokenizer)
 
 
 @cli
@@ -404,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import dflash_jax
-    from dflash_jax.generate import SamplingConfig
+    from dflash_jax.decoding.sampling import SamplingConfig
     from dflash_jax.loading import load_drafter
 
     try:
@@ -465,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {args.json}")
     return 1 if report["summary"].get("lossless") is False else 0
 
-
-__all__ = ["acceptance_stats", "evaluate", "format_summary", "load_prompts", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,117 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from tqdm import tqdm
 
 from dflash_jax.cli import UserError, check_output_free, cli
 from dflash_jax.data import sources
-from dflash_jax.generate import SamplingConfig, generate
+from dflash_jax.decoding.regeneration import read_records, regenerate_records
+from dflash_jax.decoding.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RegenReport:
-    prompts_seen: int = 0
-    written: int = 0
-    skipped_long: int = 0
-    skipped_no_user: int = 0
-    stopped_at_eos: int = 0
-    empty: int = 0
-
-    def summary(self) -> str:
-        return (
-            f"regenerated {self.written} responses from {self.prompts_seen} prompts "
-            f"({self.stopped_at_eos} ended with EOS; skipped: {self.skipped_long} prompts over the length "
-            f"limit, {self.skipped_no_user} without a user turn, {self.empty} empty answers)"
-        )
-
-
-def encode_prompt(tokenizer, messages, enable_thinking=None) -> list[int]:
-    """Chat messages -> prompt token ids, ending with the generation prompt of the chat template."""
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-def eos_ids(tokenizer, target_config) -> tuple[int, ...]:
-    ids = set(target_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def regenerate_records(
-    target,
-    tokenizer,
-    records: Sequence[dict],
-    *,
-    max_new_tokens: int = 128,
-    max_prompt_tokens: int = 512,
-    batch_size: int = 16,
-    sampling: SamplingConfig | None = None,
-    enable_thinking: bool | None = None,
-    seed: int = 0,
-    show_progress: bool = True,
-) -> tuple[list[dict], RegenReport]:
-    """records: normalised ``{"id", "messages"}``; each is cut before its first assistant turn and
-    answered by the target. Returns the new records (prompt + one assistant turn) and a report."""
-    report = RegenReport()
-    prompts, kept = [], []
-    for rec in records:
-        report.prompts_seen += 1
-        msgs = sources.prompt_messages(rec["messages"])
-        if not any(m["role"] == "user" for m in msgs):
-            report.skipped_no_user += 1
-            continue
-        ids = encode_prompt(tokenizer, msgs, enable_thinking)
-        if len(ids) > max_prompt_tokens:
-            report.skipped_long += 1
-            continue
-        prompts.append(ids)
-        kept.append((rec, msgs))
-    eos = eos_ids(tokenizer, target.config)
-    bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not show_progress)
-    outs = generate(
-        target,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos,
-        sampling=sampling,
-        batch_size=batch_size,
-        seed=seed,
-        progress=bar.update,
-    )
-    bar.close()
-    result = []
-    for (rec, msgs), toks in zip(kept, outs, strict=True):
-        if toks and toks[-1] in eos:
-            report.stopped_at_eos += 1
-            toks = toks[:-1]
-        text = tokenizer.decode(toks, skip_special_tokens=True)
-        if not text.strip():
-            report.empty += 1
-            continue
-        result.append({"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": text}]})
-    report.written = len(result)
-    return result, report
-
-
-def read_records(source: str, limit: int | None, on_bad_record: str = "skip") -> list[dict]:
-    from dflash_jax.data.pipeline import DataConfig, load_index
-
-    cfg = DataConfig(sources=(source,), max_records=limit, on_bad_record=on_bad_record)
-    index, _ = load_index(cfg)
-    src = sources.RecordSource(index)
-    try:
-        return [src[i] for i in range(len(src))]
-    finally:
-        src.close()
 
 
 @cli

@@ -28,7 +28,11 @@ seed_regen() {  # repo: put the demo's regenerated files under the key that repo
   (cd "$repo" && PYTHONPATH=$repo "$PY" - "$src" "${TRAIN[@]}" <<'PYEOF'
 import shutil, sys
 from pathlib import Path
-from dflash_jax import assets, regenerate
+from dflash_jax import assets
+try:  # where regen_cache finds regenerate_records (patched below: only the cache key is wanted)
+    from dflash_jax.decoding import regeneration as regenerate
+except ImportError:  # before the decoding package
+    from dflash_jax import regenerate
 try:
     from dflash_jax.training.regen_cache import regenerated_data
     from convert.smollm2 import smollm2_dir

@@ -219,8 +219,8 @@ def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
 
 
 def test_speculative_decoding_with_a_draft_vocab_is_lossless(target):
-    from dflash_jax.generate import generate
-    from dflash_jax.speculative import speculative_generate
+    from dflash_jax.decoding.generate import generate
+    from dflash_jax.decoding.speculative import speculative_generate
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n).tolist() for n in (20, 7, 13)]

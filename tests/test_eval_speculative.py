@@ -1,4 +1,5 @@
-"""Speculative decoding (dflash_jax.speculative / .eval) against z-lab's reference and plain greedy.
+"""Speculative decoding (dflash_jax.decoding.speculative / .evaluation) against z-lab's reference and
+plain greedy.
 
 The tiny target is a random transformers Qwen3 whose lm_head row for token C points along its mean
 final hidden state, so C is its greedy choice most of the time; the drafter's mask token is picked
@@ -24,11 +25,12 @@ import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, prompt_ids
 
+from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.decoding.speculative import SpeculativeDecoder, speculative_generate
 from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.generate import SamplingConfig, generate
 from dflash_jax.loading import load_drafter
-from dflash_jax.speculative import SpeculativeDecoder, speculative_generate
 
 torch = pytest.importorskip("torch")
 dm = pytest.importorskip("dflash.model")
@@ -265,7 +267,7 @@ def test_eval_rejects_bad_drafter_before_running(setup, tmp_path, capsys):
 
 def test_load_prompts_formats(tmp_path, qwen):
     """messages / prompt / input_ids lines; the chat template ends with the generation prompt."""
-    from dflash_jax.eval import PromptError, load_prompts
+    from dflash_jax.decoding.evaluation import PromptError, load_prompts
 
     tok = qwen
     f = tmp_path / "p.jsonl"

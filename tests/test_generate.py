@@ -11,9 +11,10 @@ from hf_fixtures import make_hf_model, prompt_ids
 
 import dflash_jax
 from dflash_jax.data.pipeline import DataConfig, make_train_iterator
-from dflash_jax.generate import SamplingConfig, generate
+from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.regeneration import regenerate_records
+from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.regenerate import main as regenerate_main
-from dflash_jax.regenerate import regenerate_records
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos):

@@ -23,10 +23,10 @@ from hf_fixtures import prompt_ids
 from hybrid_fixtures import make_hybrid_model
 
 import dflash_jax
+from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.speculative import speculative_generate
 from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.generate import generate
-from dflash_jax.speculative import speculative_generate
 
 torch = pytest.importorskip("torch")
 dm = pytest.importorskip("dflash.model")

@@ -13,10 +13,10 @@ from hf_fixtures import prompt_ids
 from moe_fixtures import make_qwen3_moe
 
 import dflash_jax
+from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.speculative import speculative_generate
 from dflash_jax.drafter.api import init_drafter
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.generate import generate
-from dflash_jax.speculative import speculative_generate
 from dflash_jax.train import run
 from dflash_jax.training.run_config import load_run_config
 

@@ -64,9 +64,9 @@ def test_training_compiles_the_step_once(tmp_path):
 def test_speculative_eval_compiles_per_bucket_not_per_prompt(tmp_path):
     import numpy as np
 
+    from dflash_jax.decoding.evaluation import evaluate
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.drafter.config import DrafterConfig
-    from dflash_jax.eval import evaluate
     from dflash_jax.loading import load_target
     from dflash_jax.training.setup import make_tiny_target_dir
 

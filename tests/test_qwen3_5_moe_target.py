@@ -147,10 +147,10 @@ def test_speculative_equals_greedy(tmp_path_factory):
     """Lossless speculative decoding on the hybrid MoE target (DeltaNet rollback inside blocks)."""
     from collections import Counter
 
+    from dflash_jax.decoding.generate import generate
+    from dflash_jax.decoding.speculative import speculative_generate
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.drafter.config import DrafterConfig
-    from dflash_jax.generate import generate
-    from dflash_jax.speculative import speculative_generate
 
     C = 7
     hf = make_qwen3_5_moe("text", seed=2)

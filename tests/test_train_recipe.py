@@ -219,7 +219,7 @@ def test_loss_uses_the_decoding_logits_function(tiny_target_dir):
     key = jax.random.key(3)
     loss, metrics = drafter_loss(drafter, target, batch, key, cfg, with_labels=True)
 
-    # Decoding's side: the same blocks, logits through drafter.logits (what speculative.py calls).
+    # Decoding's side: the same blocks, logits through drafter.logits (what decoding/speculative/step.py calls).
     k_anchor, _ = jax.random.split(key)
     anchors, valid = sample_anchors(k_anchor, batch["loss_mask"], batch["segment_ids"], max_anchors=6)
     features, _ = target_pass(target, batch, dcfg.target_layer_ids)

@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from dflash_jax.decoding.prompts import stop_token_ids
 from dflash_jax.training.anchors import count_labels
 
 log = logging.getLogger(__name__)
@@ -44,25 +45,6 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always=()) -> np.ndarray:
     rest = order[~chosen[order]][: size - len(always)]
     chosen[rest] = True
     return np.flatnonzero(chosen).astype(np.int32)
-
-
-def stop_ids(tokenizer, target_config, eot_token: str | None = None) -> tuple[int, ...]:
-    """The ids that end a reply: the target's and tokenizer's EOS ids and the chat template's
-    end-of-turn token."""
-    from dflash_jax.data.chat import ChatTemplateError, end_of_turn_token
-
-    ids = set(int(i) for i in getattr(target_config, "eos_token_ids", ()) or ())
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        eot = eot_token or end_of_turn_token(tokenizer)
-    except (ChatTemplateError, ValueError):
-        eot = None
-    if eot is not None:
-        eot_id = tokenizer.convert_tokens_to_ids(eot)
-        if eot_id is not None and eot_id != tokenizer.unk_token_id:
-            ids.add(int(eot_id))
-    return tuple(sorted(ids))
 
 
 def label_counts_from_cache(cache, vocab_size: int, lm_head=None, *, chunk: int = 1024) -> np.ndarray:
@@ -175,7 +157,8 @@ def choose_for_run(
         source = "a target pass over one epoch"
     if counts.shape[0] != V:
         raise ValueError(f"label counts cover {counts.shape[0]} ids, the target's vocabulary has {V}")
-    stops = stop_ids(tokenizer, target.config, cfg.data.eot_token)
+    # The end of a reply must stay draftable: EOS ids and the chat template's end-of-turn token.
+    stops = stop_token_ids(target.config, tokenizer, end_of_turn=True, eot_token=cfg.data.eot_token)
     ids = choose_draft_vocab(counts, n, always=stops)
     set_draft_vocab(drafter, ids)
     summary = {

@@ -1,7 +1,7 @@
 """Held-out evaluation during training: loss/streak on held-out batches and tau by speculative decoding.
 
 Held-out prompts are never trained on; tau is measured with greedy speculative decoding
-(:func:`dflash_jax.eval.evaluate`) before and after training.
+(:func:`dflash_jax.decoding.evaluation.evaluate`) before and after training.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def heldout_metrics(eval_step, drafter, target, batches, key) -> dict | None:
 def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
     """Token ids of the held-out prompts (never trained) for the tau evaluation."""
     from dflash_jax.data.pipeline import load_heldout_prompts
-    from dflash_jax.regenerate import encode_prompt
+    from dflash_jax.decoding.prompts import encode_prompt
 
     if cfg.eval.num_prompts == 0 or not (cfg.data.heldout_fraction > 0 or cfg.data.heldout_count):
         return []
@@ -64,15 +64,15 @@ def measure_tau(
 ) -> dict:
     """Greedy speculative decoding of the held-out prompts: tau (z-lab's per-prompt mean) with its
     standard error over prompts, per-slot acceptance, and what it rests on."""
-    from dflash_jax.eval import evaluate
-    from dflash_jax.regenerate import eos_ids
+    from dflash_jax.decoding.evaluation import evaluate
+    from dflash_jax.decoding.prompts import stop_token_ids
 
     rep = evaluate(
         target,
         drafter,
         prompts,
         max_new_tokens=cfg.eval.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        stop_token_ids=eos_ids(tokenizer, target.config),
+        stop_token_ids=stop_token_ids(target.config, tokenizer),
         batch_size=max(1, len(prompts)),
         baseline=False,
         warmup=False,

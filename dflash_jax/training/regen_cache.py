@@ -60,8 +60,8 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
     from dflash_jax.data import sources
     from dflash_jax.data.pipeline import load_heldout_prompts, split_records
-    from dflash_jax.generate import SamplingConfig
-    from dflash_jax.regenerate import regenerate_records
+    from dflash_jax.decoding.regeneration import regenerate_records
+    from dflash_jax.decoding.sampling import SamplingConfig
 
     r = cfg.regen
     out_dir = assets.cache_root() / "regenerated" / regen_key(cfg, tokenizer, target_dir)

@@ -7,7 +7,6 @@ cache length is then set to its own prompt length, so padding is never attended 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -15,59 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-
-def sampling_logprobs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Log-probabilities after temperature, top-k and top-p filtering (fp32). Needs temperature > 0."""
-    scores = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k > 0 and cfg.top_k < scores.shape[-1]:
-        kth = jax.lax.top_k(scores, cfg.top_k)[0][..., -1:]
-        scores = jnp.where(scores < kth, -jnp.inf, scores)
-    if cfg.top_p < 1.0:
-        sorted_scores = jnp.sort(scores, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_scores, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = before < cfg.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_scores, jnp.inf), axis=-1, keepdims=True)
-        scores = jnp.where(scores < cutoff, -jnp.inf, scores)
-    return jax.nn.log_softmax(scores, axis=-1)
-
-
-def pick_token(logits: jax.Array, cfg: SamplingConfig, key: jax.Array) -> jax.Array:
-    if cfg.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, sampling_logprobs(logits, cfg), axis=-1).astype(jnp.int32)
-
-
-def bucket_length(n: int, multiple: int = 64) -> int:
-    """Round a length up to a multiple, so a few compiled shapes serve all prompts."""
-    return max(multiple, -(-n // multiple) * multiple)
-
-
-def pad_prompts(prompts, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token lists into ``[rows, bucket_length(longest)]`` ids plus their lengths
-    (rows past the prompts are dummies of length 1)."""
-    P = bucket_length(max(len(p) for p in prompts))
-    ids = np.zeros((rows, P), np.int32)
-    lengths = np.ones((rows,), np.int32)
-    for r, p in enumerate(prompts):
-        ids[r, : len(p)] = p
-        lengths[r] = len(p)
-    return ids, lengths
+from dflash_jax.decoding.prompts import in_prompt_order, length_sorted_batches, pad_prompts
+from dflash_jax.decoding.sampling import SamplingConfig, pick_token
 
 
 @partial(nnx.jit, static_argnames=("max_new_tokens", "sampling"))
@@ -121,10 +69,9 @@ def generate(
     sampling = sampling or SamplingConfig()
     eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(seed)
-    results: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths together
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    batches = length_sorted_batches(prompts, batch_size)
+    batch_outputs = []
+    for idx in batches:
         batch = [prompts[i] for i in idx]
         if any(len(p) == 0 for p in batch):
             raise ValueError("generate: empty prompt")
@@ -140,8 +87,7 @@ def generate(
             sampling=sampling,
         )
         tokens, n_out = np.asarray(tokens), np.asarray(n_out)
-        for r, i in enumerate(idx):
-            results[i] = tokens[r, : n_out[r]].tolist()
+        batch_outputs.append([tokens[r, : n_out[r]].tolist() for r in range(len(idx))])
         if progress is not None:
             progress(len(idx))
-    return results
+    return in_prompt_order(batches, batch_outputs)

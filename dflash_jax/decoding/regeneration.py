@@ -1,0 +1,108 @@
+"""Regenerating chat replies with the target model itself.
+
+DFlash drafters learn to predict the *target's* continuations, so training data is remade by
+answering each prompt with the target (greedy or sampled), KV-cached and batched in JAX
+(``decoding.generate``). Used by ``python -m dflash_jax.regenerate`` and the training run's
+regeneration cache (``training.regen_cache``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from dflash_jax.data import sources
+from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.prompts import encode_prompt, stop_token_ids
+from dflash_jax.decoding.sampling import SamplingConfig
+
+
+@dataclass
+class RegenReport:
+    prompts_seen: int = 0
+    written: int = 0
+    skipped_long: int = 0
+    skipped_no_user: int = 0
+    stopped_at_eos: int = 0
+    empty: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"regenerated {self.written} responses from {self.prompts_seen} prompts "
+            f"({self.stopped_at_eos} ended with EOS; skipped: {self.skipped_long} prompts over the length "
+            f"limit, {self.skipped_no_user} without a user turn, {self.empty} empty answers)"
+        )
+
+
+def regenerate_records(
+    target,
+    tokenizer,
+    records: Sequence[dict],
+    *,
+    max_new_tokens: int = 128,
+    max_prompt_tokens: int = 512,
+    batch_size: int = 16,
+    sampling: SamplingConfig | None = None,
+    enable_thinking: bool | None = None,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> tuple[list[dict], RegenReport]:
+    """records: normalised ``{"id", "messages"}``; each is cut before its first assistant turn and
+    answered by the target. Returns the new records (prompt + one assistant turn) and a report."""
+    report = RegenReport()
+    prompts, kept = [], []
+    for rec in records:
+        report.prompts_seen += 1
+        msgs = sources.prompt_messages(rec["messages"])
+        if not any(m["role"] == "user" for m in msgs):
+            report.skipped_no_user += 1
+            continue
+        ids = encode_prompt(tokenizer, msgs, enable_thinking)
+        if len(ids) > max_prompt_tokens:
+            report.skipped_long += 1
+            continue
+        prompts.append(ids)
+        kept.append((rec, msgs))
+    eos = stop_token_ids(target.config, tokenizer)
+    bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not show_progress)
+    outs = generate(
+        target,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos,
+        sampling=sampling,
+        batch_size=batch_size,
+        seed=seed,
+        progress=bar.update,
+    )
+    bar.close()
+    result = []
+    for (rec, msgs), toks in zip(kept, outs, strict=True):
+        if toks and toks[-1] in eos:
+            report.stopped_at_eos += 1
+            toks = toks[:-1]
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        if not text.strip():
+            report.empty += 1
+            continue
+        result.append({"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": text}]})
+    report.written = len(result)
+    return result, report
+
+
+def read_records(source: str, limit: int | None, on_bad_record: str = "skip") -> list[dict]:
+    """The first ``limit`` normalised records of a chat source (path or 'sharegpt'), bad ones skipped."""
+    from dflash_jax.data.pipeline import DataConfig, load_index
+
+    cfg = DataConfig(sources=(source,), max_records=limit, on_bad_record=on_bad_record)
+    index, _ = load_index(cfg)
+    src = sources.RecordSource(index)
+    try:
+        return [src[i] for i in range(len(src))]
+    finally:
+        src.close()
+
+
+__all__ = ["RegenReport", "read_records", "regenerate_records"]
