@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize_from(args)  # before any jax computation
     distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
-    from dflash_jax import plan
+    from dflash_jax.tools import plan
 
     memory = plan.parse_bytes(args.device_memory) if args.device_memory else None
     if args.plan:
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             init_from=args.init_from,
             quiet=args.quiet,
             device_memory=memory,
+            preflight=plan.check_run_fits,
         )
     except plan.PlanDoesNotFit as e:
         print(f"does not fit, nothing loaded:\n{e}", file=sys.stderr)

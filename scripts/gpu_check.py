@@ -187,7 +187,7 @@ def _kernel_setup(shape, tiles, interpret, seed=0):
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.bench import attention_inputs
+    from dflash_jax.tools.bench import attention_inputs
     from pallas_kernels.anchored_attention import pallas_triton as pt
 
     B, T, A, S, N, K, H, dtype = shape
@@ -290,7 +290,7 @@ def stage_correctness(plan, prior, outdir) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from kernel_test_base import CASES, packed_case, run_impl
 
-    from dflash_jax.bench import attention_inputs
+    from dflash_jax.tools.bench import attention_inputs
     from pallas_kernels.anchored_attention import MASKED, AnchoredMask
     from pallas_kernels.anchored_attention.pallas_triton import Tiles
 
@@ -378,7 +378,7 @@ def _attention_fns(impl, mask, tiles):
 
 
 def stage_speed(plan, prior, outdir) -> dict:
-    from dflash_jax.bench import attention_inputs, pallas_computed_fraction, visible_fraction
+    from dflash_jax.tools.bench import attention_inputs, pallas_computed_fraction, visible_fraction
 
     B, T, A, S, N, K, H, dtype = plan["speed"]
     inputs, mask = attention_inputs(B, T, A, S, N, K, H, docs=4, dtype=dtype)
@@ -479,9 +479,9 @@ def stage_train(plan, prior, outdir) -> dict:
     jax = _jax()
     import dataclasses
 
-    from dflash_jax import plan as plan_lib
     from dflash_jax.sharding import MeshConfig
     from dflash_jax.target.config import TargetConfig
+    from dflash_jax.tools import plan as plan_lib
     from dflash_jax.training.run_config import load_run_config
     from pallas_kernels.anchored_attention import pallas_triton as pt
 

@@ -7,10 +7,10 @@ import csv
 import jax
 import pytest
 
-from dflash_jax import plan
 from dflash_jax.config_io import ConfigError
-from dflash_jax.mesh_experiment import main as mesh_experiment_main
 from dflash_jax.sharding import MeshConfig
+from dflash_jax.tools import plan
+from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
 from dflash_jax.training.run_config import load_run_config
 
 TINY_ARCH = (
@@ -153,7 +153,7 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from dflash_jax import hlo_stats
+    from dflash_jax.tools import hlo_stats
 
     mesh = jax.make_mesh(
         (2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8]

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -39,10 +40,13 @@ def run(
     quiet: bool = False,
     stop_at_step: int | None = None,
     device_memory: int | None = None,
+    preflight: Callable | None = None,
 ) -> dict:
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
-    ``device_memory`` (bytes per device) forces the pre-flight memory plan (see ``plan.check_run_fits``).
+    ``preflight(cfg, target_dir, mesh, device_memory, quiet=...)`` runs before the target loads (the
+    entry point passes ``dflash_jax.tools.plan.check_run_fits``: the training package imports no tool);
+    ``device_memory`` (bytes per device) is handed to it and forces its memory plan.
     ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
     early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues
@@ -53,7 +57,6 @@ def run(
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax import plan
     from dflash_jax.checkpoint import Checkpointer, read_checkpoint_config
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, merge_states, resolve_num_shards
@@ -94,7 +97,8 @@ def run(
             setup.resolve_target(cfg, run_dir)
         distributed.barrier("resolve_target")
     target_dir, tok_dir = setup.resolve_target(cfg, run_dir)
-    plan.check_run_fits(cfg, target_dir, mesh, device_memory, quiet=quiet)
+    if preflight is not None:
+        preflight(cfg, target_dir, mesh, device_memory, quiet=quiet)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype, mesh=mesh)
     tc = target.config

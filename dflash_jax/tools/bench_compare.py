@@ -56,10 +56,10 @@ def _median_pair(ours, ref, repeats: int) -> dict:
 
 
 def _maybe_profile(args, ours, jitted=None, *call_args) -> dict | None:
-    """``--profile``: a ``jax.profiler`` summary of one more call of ours (see dflash_jax.profiling)."""
+    """``--profile``: a ``jax.profiler`` summary of one more call of ours (see dflash_jax.tools.profiling)."""
     if not getattr(args, "profile", False):
         return None
-    from dflash_jax.profiling import profile
+    from dflash_jax.tools.profiling import profile
 
     texts = []
     if jitted is not None:
@@ -433,7 +433,7 @@ def compare_eval(args) -> dict:
 
 def compare_attention(args) -> dict:
     """``bench attention`` (one implementation each), with each ratio against ``reference``.
-    ``args.bench_attention`` is that function, handed over by ``dflash_jax.bench`` (the CLI that
+    ``args.bench_attention`` is that function, handed over by ``dflash_jax.tools.bench`` (the CLI that
     imports this module), so the two modules do not import each other."""
     import argparse
 
@@ -640,7 +640,7 @@ def markdown(out: dict, args) -> str:
                 f"| attention fwd+bwd: {impl} vs reference | {sh['rows']}x{sh['length']}, {sh['anchors']}x{sh['block']} | "
                 f"{val} | {ref:.0f} ms | {ratio} | — | — |"
             )
-    from dflash_jax.profiling import markdown_lines
+    from dflash_jax.tools.profiling import markdown_lines
 
     for key in ("target", "drafter-step", "eval"):
         if out.get(key, {}).get("profile"):

@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax import hlo_stats
 from dflash_jax.dtypes import to_dtype
 from dflash_jax.sharding import MESH_AXES, MeshConfig, make_mesh, named_sharding
+from dflash_jax.tools import hlo_stats
 
 
 class LayoutError(ValueError):
