@@ -25,6 +25,7 @@ import numpy as np
 
 from dflash_jax.cli import cli
 from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES, to_dtype
+from dflash_jax.tools import flops
 
 
 def _timeit(fn, repeats):
@@ -35,24 +36,6 @@ def _timeit(fn, repeats):
         out = fn()
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / repeats
-
-
-def step_flops(target_cfg, drafter_cfg, tokens: int, slots: int) -> float:
-    """Model FLOPs of one step: target forward over all tokens (2N per token, plus the label
-    lm_head over the slots), drafter forward+backward over the slots (6N) and its lm_head."""
-    D, V = target_cfg.hidden_size, target_cfg.vocab_size
-    t = target_cfg
-    per_layer = 2 * D * (t.num_heads + 2 * t.num_kv_heads) * t.head_dim + 3 * D * t.intermediate_size
-    target_params = t.num_layers * per_layer
-    d = drafter_cfg
-    d_layer = 2 * D * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + 3 * D * d.intermediate_size
-    drafter_params = d.num_layers * d_layer
-    return (
-        2 * target_params * tokens
-        + 2 * D * V * slots  # target logits for labels
-        + 6 * (drafter_params + D * V) * slots
-        + 2 * d.feature_size * D * tokens * 3  # fc over every context token, fwd+bwd
-    )
 
 
 def bench_step(args) -> dict:
@@ -75,8 +58,16 @@ def bench_step(args) -> dict:
     tokens = float(np.median([r["tokens"] for r in train]))
     anchors = float(np.median([r["anchors"] for r in train]))
     dcfg = res["drafter"].config
-    slots = anchors * (dcfg.block_size - 1)
-    flops = step_flops(res["target"].config, dcfg, tokens, slots)
+    # Labels: the target's argmax at every position (ce) or its distribution at the slots (kl).
+    labels = tokens if cfg.train.loss == "ce" else anchors * (dcfg.block_size - 1)
+    step_flops = flops.train_step_flops(
+        res["target"].config,
+        dcfg,
+        context_tokens=tokens,
+        blocks=anchors,
+        label_positions=labels,
+        target_forward=not cfg.data.features,
+    )
     n_dev = jax.device_count()
     out = {
         "config": args.config,
@@ -86,7 +77,7 @@ def bench_step(args) -> dict:
         "step_time_s": step_time,
         "tokens_per_s_per_device": tokens / step_time / n_dev,
         "blocks_per_s": anchors / step_time,
-        "model_tflops_per_s_per_device": flops / step_time / n_dev / 1e12,
+        "model_tflops_per_s_per_device": step_flops / step_time / n_dev / 1e12,
     }
     if args.peak_tflops:
         out["mfu"] = out["model_tflops_per_s_per_device"] / args.peak_tflops
