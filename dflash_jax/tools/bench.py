@@ -125,10 +125,10 @@ def visible_fraction(mask) -> float:
 
 def pallas_computed_fraction(mask, head_dim: int, tiles=None) -> float:
     """Fraction of the dense ``[A*S, T]`` context scores the Pallas forward computes."""
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
-    from pallas_kernels.anchored_attention.tiles import computed_fraction, query_tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
+    from pallas_kernels.anchored_attention.tile_tables import computed_fraction, query_tiles
 
-    t = Tiles.default(head_dim) if tiles is None else tiles
+    t = TileConfig.default(head_dim) if tiles is None else tiles
     R, A, S = mask.slot_positions.shape
     T = mask.ctx_segment_ids.shape[1]
     n_q = -(-A * S // t.block_q)
