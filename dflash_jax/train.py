@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize_from(args)  # before any jax computation
     distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
-    from dflash_jax import plan
+    from dflash_jax.tools import plan
 
     memory = plan.parse_bytes(args.device_memory) if args.device_memory else None
     if args.plan:

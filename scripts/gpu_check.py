@@ -137,12 +137,12 @@ def err_text(e: BaseException) -> str:
 
 def tiles_from(prior: dict, key: str = "tiles"):
     """The tiles an earlier stage chose (sweep's best, else compile's), or None for the default."""
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
     for stage in ("sweep", "compile"):
         got = prior.get(stage, {}).get("result", {}).get("best_tiles" if stage == "sweep" else key)
         if got:
-            return Tiles(**got)
+            return TileConfig(**got)
     return None
 
 
@@ -160,7 +160,7 @@ def stage_env(plan, prior, outdir) -> dict:
 
     jax = _jax()
     from pallas_kernels.anchored_attention import budget
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
     out = {
         "jax": jax.__version__,
@@ -175,7 +175,7 @@ def stage_env(plan, prior, outdir) -> dict:
     }
     B, T, A, S, N, K, H, dtype = plan["speed"]
     itemsize = 2 if dtype == "bfloat16" else 4
-    est = budget.estimate(Tiles.default(H, itemsize), H, N // K, itemsize)
+    est = budget.estimate(TileConfig.default(H, itemsize), H, N // K, itemsize)
     out["budget"] = {
         k: {"shared_bytes": b.shared_bytes, "registers": b.registers_per_thread} for k, b in est.items()
     }
@@ -187,7 +187,7 @@ def _kernel_setup(shape, tiles, interpret, seed=0):
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.bench import attention_inputs
+    from dflash_jax.tools.bench import attention_inputs
     from pallas_kernels.anchored_attention import pallas_triton as pt
 
     B, T, A, S, N, K, H, dtype = shape
@@ -212,9 +212,9 @@ def _kernel_setup(shape, tiles, interpret, seed=0):
 def fallback_tiles(head_dim: int, itemsize: int):
     """Candidates in the order the compile stage tries them: the default, fewer pipeline stages,
     smaller backward tiles, more warps, the G heads unrolled (where the budget allows)."""
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
-    d = Tiles.default(head_dim, itemsize)
+    d = TileConfig.default(head_dim, itemsize)
     half = dict(block_q_bwd=max(16, d.block_q_bwd // 2), block_k_bwd=max(16, d.block_k_bwd // 2))
     return [
         d,
@@ -290,12 +290,12 @@ def stage_correctness(plan, prior, outdir) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from kernel_test_base import CASES, packed_case, run_impl
 
-    from dflash_jax.bench import attention_inputs
+    from dflash_jax.tools.bench import attention_inputs
     from pallas_kernels.anchored_attention import MASKED, AnchoredMask
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
     jax.config.update("jax_default_matmul_precision", "highest")  # this process only: fp32 without TF32
-    small = Tiles(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    small = TileConfig(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
     chosen = tiles_from(prior)
     interpret = not on_gpu()
     tk = tokamax_ok() is None
@@ -378,7 +378,7 @@ def _attention_fns(impl, mask, tiles):
 
 
 def stage_speed(plan, prior, outdir) -> dict:
-    from dflash_jax.bench import attention_inputs, pallas_computed_fraction, visible_fraction
+    from dflash_jax.tools.bench import attention_inputs, pallas_computed_fraction, visible_fraction
 
     B, T, A, S, N, K, H, dtype = plan["speed"]
     inputs, mask = attention_inputs(B, T, A, S, N, K, H, docs=4, dtype=dtype)
@@ -410,9 +410,9 @@ def stage_speed(plan, prior, outdir) -> dict:
 def sweep_candidates(head_dim, groups, itemsize, limit):
     """Forward and backward candidates within the budget, the default first."""
     from pallas_kernels.anchored_attention import budget
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
-    d = Tiles.default(head_dim, itemsize)
+    d = TileConfig.default(head_dim, itemsize)
     fwd = [d] + [d.replace(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
                  for bq in (64, 128) for bk in (32, 64, 128) for w in (4, 8) for s in (2, 3)]  # fmt: skip
     bwd = [d] + [d.replace(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_warps_dkdv=wd, num_stages_bwd=s, num_stages_dkdv=s)
@@ -479,9 +479,9 @@ def stage_train(plan, prior, outdir) -> dict:
     jax = _jax()
     import dataclasses
 
-    from dflash_jax import plan as plan_lib
     from dflash_jax.sharding import MeshConfig
     from dflash_jax.target.config import TargetConfig
+    from dflash_jax.tools import plan as plan_lib
     from dflash_jax.training.run_config import load_run_config
     from pallas_kernels.anchored_attention import pallas_triton as pt
 
@@ -503,7 +503,7 @@ def stage_train(plan, prior, outdir) -> dict:
     )
     tiles = tiles_from(prior)
     if tiles is not None:  # the step's kernels use the tiles the compile/sweep stages chose
-        pt.Tiles.default = classmethod(lambda cls, head_dim, itemsize=2: tiles)
+        pt.TileConfig.default = classmethod(lambda cls, head_dim, itemsize=2: tiles)
     out = {"target_layers": p["layers"], "drafter_layers": p["drafter_layers"], "rows": p["rows"],
            "seq_len": p["seq"], "anchors": p["anchors"], "tiles": tiles.to_dict() if tiles else None}  # fmt: skip
     kind = jax.devices()[0].device_kind

@@ -12,11 +12,11 @@ import pytest
 from kernel_test_base import CASES, ContextAttentionTestBase, packed_case
 
 from pallas_kernels.anchored_attention import api, context_attention, validated
-from pallas_kernels.anchored_attention.pallas_triton import Tiles
-from pallas_kernels.anchored_attention.tiles import context_tiles, query_tiles
+from pallas_kernels.anchored_attention.pallas_triton import TileConfig
+from pallas_kernels.anchored_attention.tile_tables import context_tiles, query_tiles
 
 # Tiny tiles so that the small cases span several query and context tiles (masked, unmasked, skipped).
-SMALL = Tiles(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+SMALL = TileConfig(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 
 
 class TestXla(ContextAttentionTestBase):
@@ -93,7 +93,7 @@ def test_auto_picks_xla_on_cpu_and_logs_once(caplog):
 
 H200_ENTRY = {
     "device_kind": "NVIDIA H200", "head_dim": 128, "groups": 4, "dtype": "bfloat16", "window": False,
-    "impl": "pallas", "tiles": Tiles(block_q=32, num_warps_dkdv=4).to_dict(), "speedup_vs_xla": 1.7,
+    "impl": "pallas", "tiles": TileConfig(block_q=32, num_warps_dkdv=4).to_dict(), "speedup_vs_xla": 1.7,
     "jax": "0.11.2",
 }  # fmt: skip
 
@@ -159,5 +159,5 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="not a multiple of kv heads"):
         context_attention(q[..., :1, :], jnp.concatenate([k, k], 2), jnp.concatenate([v, v], 2), *mask)
     with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
-        context_attention(q, k, v, *mask, impl="pallas", tiles=Tiles(block_k=24))
+        context_attention(q, k, v, *mask, impl="pallas", tiles=TileConfig(block_k=24))
     assert jax.default_backend() == "cpu"

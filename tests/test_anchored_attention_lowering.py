@@ -16,7 +16,11 @@ import pytest
 
 from pallas_kernels.anchored_attention import budget, context_attention
 from pallas_kernels.anchored_attention.lowering import TRITON_CALL, lower_for_cuda
-from pallas_kernels.anchored_attention.pallas_triton import SHARED_MEMORY_BYTES, Tiles, shared_memory_estimate
+from pallas_kernels.anchored_attention.pallas_triton import (
+    SHARED_MEMORY_BYTES,
+    TileConfig,
+    shared_memory_estimate,
+)
 
 
 def abstract_args(B, T, A, S, N, K, H, dtype=jnp.bfloat16):
@@ -73,13 +77,17 @@ def test_lowers_for_an_ampere_target_too():
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_default_tiles_fit_the_budget(H, itemsize):
     for G in (1, 4, 8):
-        assert budget.problems(Tiles.default(H, itemsize), H, G, itemsize) == {k: [] for k in budget.KERNELS}
-    for kernel, used in shared_memory_estimate(Tiles.default(H, itemsize), H, itemsize, groups=8).items():
+        assert budget.problems(TileConfig.default(H, itemsize), H, G, itemsize) == {
+            k: [] for k in budget.KERNELS
+        }
+    for kernel, used in shared_memory_estimate(
+        TileConfig.default(H, itemsize), H, itemsize, groups=8
+    ).items():
         assert used <= SHARED_MEMORY_BYTES, (kernel, used)
 
 
 # The first dk/dv kernel: the G query heads unrolled in the loop body, 4 warps, 2 stages.
-FIRST_DKDV = Tiles(dkdv_groups="unroll", num_warps_dkdv=4, num_stages_dkdv=2)
+FIRST_DKDV = TileConfig(dkdv_groups="unroll", num_warps_dkdv=4, num_stages_dkdv=2)
 
 
 def test_first_dkdv_config_is_over_budget_at_g4_d128_bf16():
@@ -101,13 +109,13 @@ def test_first_dkdv_config_is_over_budget_at_g4_d128_bf16():
     with pytest.raises(ValueError, match=r"the dkdv kernel needs 317,440 bytes of shared memory"):
         lower_for_cuda(lambda *a: grads(*a, tiles=FIRST_DKDV), *args)
     # the chosen default at the same shape: within budget, and it lowers
-    default = budget.estimate(Tiles.default(128), 128, 4, 2)["dkdv"]
+    default = budget.estimate(TileConfig.default(128), 128, 4, 2)["dkdv"]
     assert default.shared_bytes <= SHARED_MEMORY_BYTES and default.registers_per_thread <= 255
     assert lower_for_cuda(grads, *args).count(TRITON_CALL) == 3
 
 
 def test_budget_counts_the_g_heads_only_when_unrolled():
-    loop, unroll = Tiles.default(128), Tiles.default(128).replace(dkdv_groups="unroll")
+    loop, unroll = TileConfig.default(128), TileConfig.default(128).replace(dkdv_groups="unroll")
     sizes = {g: budget.estimate(unroll, 128, g, 2)["dkdv"].shared_bytes for g in (1, 2, 4)}
     assert sizes[1] < sizes[2] < sizes[4]
     assert len({budget.estimate(loop, 128, g, 2)["dkdv"].shared_bytes for g in (1, 2, 4)}) == 1
@@ -120,6 +128,6 @@ def test_budget_counts_the_g_heads_only_when_unrolled():
 
 def test_oversized_tiles_are_refused_before_triton():
     args = abstract_args(1, 512, 8, S=16, N=4, K=2, H=256)
-    big = Tiles(block_q=256, block_k=256, num_stages=3)
+    big = TileConfig(block_q=256, block_k=256, num_stages=3)
     with pytest.raises(ValueError, match="the forward kernel needs .* bytes of shared memory"):
         jax.eval_shape(lambda *a: context_attention(*a, impl="pallas", interpret=False, tiles=big), *args)

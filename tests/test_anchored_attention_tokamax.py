@@ -14,11 +14,11 @@ import pytest
 from kernel_test_base import ContextAttentionTestBase, packed_case
 
 from pallas_kernels.anchored_attention import context_attention, tokamax_impl
-from pallas_kernels.anchored_attention.pallas_triton import Tiles
+from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
 pytest.importorskip("tokamax", reason="tokamax is installed by scripts/setup.sh")
 
-SMALL = Tiles(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+SMALL = TileConfig(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 # No sliding window (tokamax_impl refuses it), no T=1 edge; few cases: each runs interpret-mode kernels.
 CASES = ("docs_gqa", "odd_sizes_g3", "unsorted_anchors")
 

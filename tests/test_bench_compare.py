@@ -17,7 +17,7 @@ def finite(x):
 
 @pytest.mark.slow  # minutes of compiles on 2 cores; a benchmark smoke test
 def test_compare_all_small(tmp_path, capsys):
-    from dflash_jax.bench import main
+    from dflash_jax.tools.bench import main
 
     md = tmp_path / "compare.md"
     assert (
@@ -68,7 +68,7 @@ def test_markdown_command_repeats_every_non_default_option():
     must appear in it (a table measured with --prompts 2 --new 32 must not read as the default)."""
     import argparse
 
-    from dflash_jax.bench_compare import add_parser, command_line
+    from dflash_jax.tools.bench_compare import add_parser, command_line
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())

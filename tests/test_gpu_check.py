@@ -65,9 +65,9 @@ def test_failed_and_hung_stages_do_not_stop_later_ones(tmp_path):
 def test_record_validates_only_a_passing_faster_kernel(tmp_path):
     gc = load_script()
     from pallas_kernels.anchored_attention import validated
-    from pallas_kernels.anchored_attention.pallas_triton import Tiles
+    from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
-    best = Tiles(block_q=128, num_warps=8).to_dict()
+    best = TileConfig(block_q=128, num_warps=8).to_dict()
     report = {
         "cpu_smoke": False, "order": ["env", "correctness", "speed", "sweep"], "seconds": 300.0,
         "stages": {

@@ -92,8 +92,8 @@ def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     import transformers
     from hybrid_fixtures import TINY_HYBRID
 
-    from dflash_jax import plan
-    from dflash_jax.mesh_experiment import main as mesh_experiment_main
+    from dflash_jax.tools import plan
+    from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
 
     arch = {**TINY_HYBRID, "num_attention_heads": 8, "num_key_value_heads": 4, "linear_num_value_heads": 6}
     overrides = [

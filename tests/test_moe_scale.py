@@ -43,7 +43,7 @@ def _hf_param_count(arch: dict) -> int:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_architecture_and_drafter_as_published(name):
-    from dflash_jax import plan
+    from dflash_jax.tools import plan
 
     run = load_run_config(name)
     arch = dict(run.target.architecture)
@@ -75,7 +75,7 @@ def test_mesh_experiment_plans_a_moe_target(tmp_path, capsys):
 
     from moe_fixtures import TINY_QWEN3_MOE
 
-    from dflash_jax.mesh_experiment import main as mesh_experiment_main
+    from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
 
     arch = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "mlp_only_layers": [], "num_experts": 8}
     overrides = [

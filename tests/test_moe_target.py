@@ -274,7 +274,7 @@ def test_planner_names_experts_and_axis():
     """A layout whose fsdp x tensor does not divide the expert count fails naming both numbers."""
     from types import SimpleNamespace
 
-    from dflash_jax.plan import LayoutError, PlanSpec, check_layout
+    from dflash_jax.tools.plan import LayoutError, PlanSpec, check_layout
 
     c = TargetConfig.from_hf_dict({**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "num_experts": 6})
     drafter = SimpleNamespace(num_heads=4, num_kv_heads=2, intermediate_size=96)

@@ -7,10 +7,10 @@ import csv
 import jax
 import pytest
 
-from dflash_jax import plan
 from dflash_jax.config_io import ConfigError
-from dflash_jax.mesh_experiment import main as mesh_experiment_main
 from dflash_jax.sharding import MeshConfig
+from dflash_jax.tools import plan
+from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
 from dflash_jax.training.run_config import load_run_config
 
 TINY_ARCH = (
@@ -120,6 +120,26 @@ def test_mesh_experiment_reduced_config_three_layouts(tmp_path, capsys):
     assert "best layout that fits:" in text and "| data=8 |" in text
 
 
+def test_train_plan_on_the_default_config(capsys):
+    """``train --plan`` on the embedded default: the run's own parts (SmolLM2 from its config.json,
+    the draft vocabulary, cached features) planned on abstract weights."""
+    from dflash_jax.train import main as train_main
+
+    assert train_main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for layout data=1 on 1 devices" in out
+    assert "(none: features from the cache)" in out  # demo trains from data.features: auto
+    for what in ("target params", "drafter params", "optimizer", "step peak"):
+        assert what in out
+
+
+def test_train_plan_refuses_a_tiny_target_naming_it(capsys):
+    from dflash_jax.train import main as train_main
+
+    assert train_main(["--config", "tiny", "--plan"]) == 2
+    assert "target.path=tiny has no architecture" in capsys.readouterr().err
+
+
 def test_conftest_gives_eight_devices():
     assert len(jax.devices()) >= 8
 
@@ -139,10 +159,21 @@ def test_train_plan_refuses_a_config_that_cannot_fit(capsys):
 
 
 @pytest.mark.slow
-def test_train_run_refuses_before_loading_the_target(capsys):
+def test_train_run_refuses_before_loading_the_target(tmp_path, capsys):
+    """The pre-flight plan reads only the target dir's config.json: it has no weights at all, so a
+    run that loaded one would fail with another error."""
+    import json
+
     from dflash_jax.train import main as train_main
 
-    rc = train_main(["--config", "qwen3-8b", "--device-memory", "1MB", *TINY_OVERRIDES,
+    target = tmp_path / "target"
+    target.mkdir()
+    arch = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}  # fmt: skip
+    (target / "config.json").write_text(json.dumps(arch))
+    overrides = [o for o in TINY_OVERRIDES if not o.startswith("target.architecture")]
+    rc = train_main(["--config", "qwen3-8b", "--device-memory", "1MB", *overrides, f"target.path={target}",
+                     f"target.tokenizer={target}", f"output_dir={tmp_path / 'run'}", "data.sources=[sharegpt]",
                      "data.max_length=64", "data.batch_size=4", "train.max_anchors=4"])  # fmt: skip
     assert rc == 3
     assert "does not fit, nothing loaded" in capsys.readouterr().err
@@ -153,7 +184,7 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from dflash_jax import hlo_stats
+    from dflash_jax.tools import hlo_stats
 
     mesh = jax.make_mesh(
         (2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8]

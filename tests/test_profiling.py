@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.profiling import markdown_lines, profile
+from dflash_jax.tools.profiling import markdown_lines, profile
 
 
 def test_profile_names_the_ops_where_the_time_goes():

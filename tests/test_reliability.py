@@ -578,7 +578,7 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
 
     # the other commands' outputs: refused the same way, before anything loads
     from dflash_jax import eval as eval_cli
-    from dflash_jax import mesh_experiment
+    from dflash_jax.tools import mesh_experiment
 
     report = tmp_path / "eval.json"
     report.write_text("{}")
@@ -746,7 +746,7 @@ def test_26_8_nonfinite_values_are_refused_in_configs_and_drafters(tiny_run, mon
 
 def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_path, capsys, monkeypatch):
     import dflash_jax.training.setup as setup
-    from dflash_jax import mesh_experiment
+    from dflash_jax.tools import mesh_experiment
 
     def no_model(*a, **k):
         raise AssertionError("a model was built before the config was checked")

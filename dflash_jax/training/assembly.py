@@ -59,19 +59,21 @@ def assemble(
     mesh=None,
     init_from: str | None = None,
     target_dir: Path | None = None,
+    target_config=None,
     before_target_loads: Callable[[Path], object] | None = None,
 ) -> RunParts:
     """Resolve ``cfg``'s parts.
 
     ``abstract``: no weights, no tokenizer, no regeneration (``target_dir`` may point at the
     config.json to read; a ``target.path: tiny`` config has no architecture before its tokenizer
-    is read and is refused). Concrete: ``run_dir`` holds what a run makes (the tiny target), the
+    is read and is refused; ``target_config`` stands in for the run's own architecture, e.g. in a
+    sweep over sizes). Concrete: ``run_dir`` holds what a run makes (the tiny target), the
     target is loaded onto ``mesh``; ``before_target_loads(target_dir)`` runs first (the pre-flight
     memory check); ``init_from`` overrides ``drafter.init_from``.
     """
     warm_start = init_from or cfg.drafter.init_from
     if abstract:
-        return _abstract(cfg, target_dir, warm_start)
+        return _abstract(cfg, target_config or target_architecture(cfg, target_dir), target_dir, warm_start)
     from transformers import AutoTokenizer
 
     import dflash_jax
@@ -140,10 +142,9 @@ def target_architecture(cfg: RunConfig, target_dir: Path | None = None):
     return TargetConfig.from_pretrained(path)
 
 
-def _abstract(cfg: RunConfig, target_dir: Path | None, warm_start: str | None) -> RunParts:
+def _abstract(cfg: RunConfig, tc, target_dir: Path | None, warm_start: str | None) -> RunParts:
     from dflash_jax.training.setup import build_drafter_config
 
-    tc = target_architecture(cfg, target_dir)
     source = None
     if warm_start:  # its config only: the taps, mask token and layer types it fixes
         from convert.drafter_reader import read_drafter_config

@@ -46,9 +46,10 @@ def run(
 ) -> dict:
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
-    ``preflight(cfg, target_dir, mesh, device_memory, quiet=...)`` runs before the target loads
-    (``python -m dflash_jax.train`` passes ``tools.plan.check_run_fits``: it refuses a run whose
-    step cannot fit ``device_memory`` bytes per device, default what the devices report).
+    ``preflight(cfg, target_dir, mesh, device_memory, quiet=...)`` runs before the target loads (the
+    entry point passes ``dflash_jax.tools.plan.check_run_fits``: the training package imports no
+    tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
+    what the devices report).
     ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
     early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues

@@ -260,7 +260,7 @@ def _assign(module, var_type, pure) -> None:
 
 def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, learning_rate) -> dict:
     """One optimizer update of ``drafter`` in place at ``learning_rate``; returns the step's metrics. Traced by the
-    trainer's jitted step and by the AOT planner (``dflash_jax.plan``), so both compile the same.
+    trainer's jitted step and by the AOT planner, both through ``jit_train_step``.
 
     A step whose loss, gradients or updated parameters are not all finite, or whose update is
     blown up (its norm more than ``train.max_update_ratio`` times the parameters' norm: finite
@@ -361,12 +361,88 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
     return grads, metrics
 
 
-def make_train_step(cfg: TrainSection):
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(drafter, optimizer, target, batch, key, learning_rate):
-        return apply_train_step(drafter, optimizer, target, batch, key, cfg, learning_rate)
+def jit_train_step(
+    drafter_graph,
+    target_graph,
+    cfg: TrainSection,
+    *,
+    donate: bool = True,
+    state_shardings=None,
+    keep_unused: bool = False,
+):
+    """The training step as one ``jax.jit`` over pure states: the program the trainer runs and the
+    planner (``dflash_jax.tools.plan``) compiles on abstract weights, so a plan is a plan of it.
 
-    return train_step
+    ``train_step(state, target_state, batch, key, learning_rate) -> (new state, metrics)``, where
+    ``state`` and ``target_state`` are ``nnx.split((drafter, optimizer))``'s and ``nnx.split(target)``'s
+    states under these graphs: arrays, or ``ShapeDtypeStruct``s with shardings to lower. The rate is
+    traced (the schedule never recompiles). ``donate``: the new state reuses the old one's buffers;
+    ``state_shardings``: the new state's layout (the old one's: the next step sees the inputs this
+    one compiled for, and donated buffers alias); ``keep_unused``: keep every target weight an
+    argument even when the step reads only a few (a feature-cache step), as memory plans count them.
+    """
+
+    def train_step(state, target_state, batch, key, learning_rate):
+        drafter, optimizer = nnx.merge(drafter_graph, state)
+        target = nnx.merge(target_graph, target_state)
+        metrics = apply_train_step(drafter, optimizer, target, batch, key, cfg, learning_rate)
+        return nnx.state((drafter, optimizer)), metrics
+
+    return jax.jit(
+        train_step,
+        donate_argnums=(0,) if donate else (),
+        out_shardings=None if state_shardings is None else (state_shardings, None),
+        keep_unused=keep_unused,
+    )
+
+
+def array_shardings(state):
+    """The sharding of every leaf of an nnx state (arrays or ``ShapeDtypeStruct``s)."""
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+class TrainStep:
+    """The trainer's side of :func:`jit_train_step`: called on live modules, it splits them, runs the
+    jitted step (the drafter's and optimizer's buffers donated, their layout kept) and writes the
+    new state back into them in place. One compile per module structure, as ``nnx.jit`` did."""
+
+    def __init__(self, cfg: TrainSection):
+        self.cfg = cfg
+        self._graphs = None
+        self._jitted = None
+
+    def _pure_args(self, drafter, optimizer, target):
+        drafter_graph, state = nnx.split((drafter, optimizer))
+        target_graph, target_state = nnx.split(target)
+        if self._graphs != (drafter_graph, target_graph):
+            self._graphs = (drafter_graph, target_graph)
+            self._jitted = jit_train_step(
+                drafter_graph,
+                target_graph,
+                self.cfg,
+                state_shardings=array_shardings(state),
+                # As the planner compiles it (XLA drops dead code either way): every target
+                # weight an argument, so a plan's arguments are the run's.
+                keep_unused=True,
+            )
+        return state, target_state
+
+    def __call__(self, drafter, optimizer, target, batch, key, learning_rate) -> dict:
+        state, target_state = self._pure_args(drafter, optimizer, target)
+        new_state, metrics = self._jitted(state, target_state, batch, key, learning_rate)
+        nnx.update((drafter, optimizer), new_state)
+        return metrics
+
+    def lower(self, drafter, optimizer, target, batch, key, learning_rate):
+        """The step's ``jax.stages.Lowered`` for these modules and inputs (nothing runs)."""
+        state, target_state = self._pure_args(drafter, optimizer, target)
+        return self._jitted.lower(state, target_state, batch, key, learning_rate)
+
+
+def make_train_step(cfg: TrainSection) -> TrainStep:
+    """``train_step(drafter, optimizer, target, batch, key, learning_rate) -> metrics``, updating the
+    drafter and optimizer in place (see :class:`TrainStep`)."""
+    return TrainStep(cfg)
 
 
 def make_eval_step(cfg: TrainSection):

@@ -101,8 +101,8 @@ def context_attention(
     ``chunk``: anchors per chunk of ``xla``. ``interpret``: run ``pallas`` in interpret mode
     (default: on non-GPU backends). ``backward``: ``pallas`` kernels or ``xla`` (a debugging
     switch: the Pallas forward with the chunked XLA backward; with ``tokamax``, whose backward
-    is always ours, which one). ``tiles``: ``pallas_triton.Tiles`` (default: the validated entry's,
-    else ``Tiles.default``). ``tokamax_implementation``: tokamax's ``mosaic`` (default on GPU),
+    is always ours, which one). ``tiles``: ``pallas_triton.TileConfig`` (default: the validated entry's,
+    else ``TileConfig.default``). ``tokamax_implementation``: tokamax's ``mosaic`` (default on GPU),
     ``triton`` or ``xla`` (default off GPU: the dense op, for tests).
     """
     check_shapes(q, k, v, ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions)
@@ -115,9 +115,9 @@ def context_attention(
     if asked == "auto":
         _log_once(f"attention_impl=auto: using {impl!r} ({reason})")
     if entry is not None and tiles is None and entry.get("tiles"):
-        from pallas_kernels.anchored_attention.pallas_triton import Tiles
+        from pallas_kernels.anchored_attention.pallas_triton import TileConfig
 
-        tiles = Tiles(**entry["tiles"])
+        tiles = TileConfig(**entry["tiles"])
     if impl == "reference":
         return context_attention_reference(q, k, v, *mask, window=window, scale=scale)
     if impl == "xla":
@@ -155,14 +155,16 @@ def _pallas_forward_xla_backward(pallas, xla, q, k, v, mask):
     return pallas(q, k, v, *mask)
 
 
-def _pfxb_fwd(pallas, xla, q, k, v, mask):
+def _pallas_forward_saving_inputs(pallas, xla, q, k, v, mask):
+    """custom_vjp forward: the Pallas kernel's output; the inputs are the residuals."""
     return pallas(q, k, v, *mask), (q, k, v, mask)
 
 
-def _pfxb_bwd(pallas, xla, res, cot):
+def _backward_through_xla(pallas, xla, res, cot):
+    """custom_vjp backward: the XLA path's vjp recomputed from the saved inputs."""
     q, k, v, mask = res
     _, vjp = jax.vjp(lambda q, k, v: xla(q, k, v, *mask), q, k, v)
     return (*vjp(cot), None)
 
 
-_pallas_forward_xla_backward.defvjp(_pfxb_fwd, _pfxb_bwd)
+_pallas_forward_xla_backward.defvjp(_pallas_forward_saving_inputs, _backward_through_xla)

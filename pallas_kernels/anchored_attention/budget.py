@@ -71,7 +71,7 @@ def _registers(fp32_values: int, operand_bytes: int, num_warps: int) -> int:
 
 
 def estimate(tiles, head_dim: int, groups: int, itemsize: int) -> dict[str, KernelBudget]:
-    """Per-kernel budget for ``tiles`` (``pallas_triton.Tiles``), ``groups`` = query heads per kv
+    """Per-kernel budget for ``tiles`` (``pallas_triton.TileConfig``), ``groups`` = query heads per kv
     head (G), ``itemsize`` of q/k/v (2 for bf16)."""
     H, t = head_dim, tiles
     i32 = 4
@@ -120,6 +120,6 @@ def check(tiles, head_dim: int, groups: int, itemsize: int) -> None:
     if bad:
         detail = "; ".join(f"the {k} kernel needs {' and '.join(p)}" for k, p in bad.items())
         raise ValueError(
-            f"Tiles {tiles} do not fit one H100/H200 block at head_dim={head_dim}, G={groups}, "
+            f"tile config {tiles} does not fit one H100/H200 block at head_dim={head_dim}, G={groups}, "
             f"itemsize={itemsize}: {detail}"
         )

@@ -1,5 +1,5 @@
 """The context part as Pallas kernels (Triton lowering): a forward, a dq and a dk/dv kernel that
-visit only the context tiles a query tile can see (``tiles.py``) and skip the mask arithmetic on
+visit only the context tiles a query tile can see (``tile_tables.py``) and skip the mask arithmetic on
 tiles every query of the tile sees.
 
 Layout: queries ``q [B, Q, N, H]`` with ``Q = A*S`` (slot s of block j is query ``j*S + s``),
@@ -25,13 +25,13 @@ from jax.experimental.pallas import triton as pl_triton
 from pallas_kernels.anchored_attention import budget
 from pallas_kernels.anchored_attention.budget import SHARED_MEMORY_BYTES  # noqa: F401 - re-exported
 from pallas_kernels.anchored_attention.common import MASKED
-from pallas_kernels.anchored_attention.tiles import cdiv, context_tiles, query_tiles
+from pallas_kernels.anchored_attention.tile_tables import cdiv, context_tiles, query_tiles
 
 DKDV_GROUPS = ("loop", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiles:
+class TileConfig:
     """Tile sizes (powers of two, >= 16 for the tensor cores) and Triton launch parameters.
 
     ``*_bwd`` tiles are shared by the dq and the dk/dv kernel (dk/dv walks dq's tile tables
@@ -54,17 +54,17 @@ class Tiles:
 
     def __post_init__(self):
         if self.dkdv_groups not in DKDV_GROUPS:
-            raise ValueError(f"Tiles.dkdv_groups={self.dkdv_groups!r} must be one of {DKDV_GROUPS}")
+            raise ValueError(f"TileConfig.dkdv_groups={self.dkdv_groups!r} must be one of {DKDV_GROUPS}")
         for name in ("num_warps", "num_warps_bwd", "num_warps_dkdv"):
             w = getattr(self, name)
             if w not in (1, 2, 4, 8, 16):
-                raise ValueError(f"Tiles.{name}={w} must be 1, 2, 4, 8 or 16")
+                raise ValueError(f"TileConfig.{name}={w} must be 1, 2, 4, 8 or 16")
         for name in ("num_stages", "num_stages_bwd", "num_stages_dkdv"):
             if getattr(self, name) < 1:
-                raise ValueError(f"Tiles.{name}={getattr(self, name)} must be >= 1")
+                raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def default(cls, head_dim: int, itemsize: int = 2) -> Tiles:
+    def default(cls, head_dim: int, itemsize: int = 2) -> TileConfig:
         """The defaults: 64 x 64 tiles (64 x 32 forward, 32 x 32 backward at head_dim 256), with
         the warps of a kernel doubled (up to 8) while ``budget.py`` counts it over 255 registers
         per thread (fp32 operands at head_dim 128). Untuned: no GPU run has measured them yet;
@@ -83,24 +83,26 @@ class Tiles:
                 t = t.replace(**{field: 2 * getattr(t, field)})
         return t
 
-    def replace(self, **changes) -> Tiles:
+    def replace(self, **changes) -> TileConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def shared_memory_estimate(tiles: Tiles, head_dim: int, itemsize: int, groups: int = 1) -> dict[str, int]:
+def shared_memory_estimate(
+    tiles: TileConfig, head_dim: int, itemsize: int, groups: int = 1
+) -> dict[str, int]:
     """Bytes of shared memory per kernel (``budget.estimate``)."""
     return {k: b.shared_bytes for k, b in budget.estimate(tiles, head_dim, groups, itemsize).items()}
 
 
-def check_tiles(tiles: Tiles, head_dim: int, itemsize: int, groups: int = 1) -> None:
+def check_tiles(tiles: TileConfig, head_dim: int, itemsize: int, groups: int = 1) -> None:
     """Raise ValueError for tiles the kernels cannot use or that are over ``budget.py``'s limits."""
     for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
         b = getattr(tiles, name)
         if b < 16 or b & (b - 1):
-            raise ValueError(f"Tiles.{name}={b} must be a power of two >= 16")
+            raise ValueError(f"TileConfig.{name}={b} must be a power of two >= 16")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
     budget.check(tiles, head_dim, groups, itemsize)
@@ -131,7 +133,7 @@ class _Static:
     scale: float
     window: int | None
     slots: int
-    tiles: Tiles
+    tiles: TileConfig
     interpret: bool
 
 
@@ -413,7 +415,7 @@ def _pad_axis(x, axis, size, value=0):
 
 
 def prepare(
-    ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions, *, tiles: Tiles, window
+    ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions, *, tiles: TileConfig, window
 ):
     """Padded per-query/per-context mask arrays and the tile tables for forward and backward."""
     B, T = ctx_segment_ids.shape
@@ -440,14 +442,14 @@ def prepare(
     return meta, Qp, Tp
 
 
-def kernel_inputs(q, k, v, mask, *, window, scale, interpret, tiles: Tiles | None):
+def kernel_inputs(q, k, v, mask, *, window, scale, interpret, tiles: TileConfig | None):
     """The padded operands of the three kernels, for calling them one at a time (the GPU check
     compiles forward, dq and dk/dv separately so that a failure names its kernel):
     ``(st, q_rows [B,Qp,N,H], k [B,Tp,K,H], v, meta)``."""
     B, A, S, N, H = q.shape
     K = k.shape[2]
     itemsize = jnp.dtype(q.dtype).itemsize
-    tiles = Tiles.default(H, itemsize) if tiles is None else tiles
+    tiles = TileConfig.default(H, itemsize) if tiles is None else tiles
     check_tiles(tiles, H, itemsize, groups=N // K)
     meta, Qp, Tp = prepare(*mask, tiles=tiles, window=window)
     st = _Static(scale=float(scale), window=window, slots=S, tiles=tiles, interpret=interpret)
@@ -471,7 +473,7 @@ def context_attention_pallas(
     window,
     scale,
     interpret: bool = False,
-    tiles: Tiles | None = None,
+    tiles: TileConfig | None = None,
 ):
     """q [B,A,S,N,H], k/v [B,T,K,H] -> (out f32 [B,A,S,N,H], lse f32 [B,A,S,N]), differentiable."""
     B, A, S, N, H = q.shape

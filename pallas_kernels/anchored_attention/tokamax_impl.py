@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.anchored_attention.common import MASKED
-from pallas_kernels.anchored_attention.tiles import per_anchor_ranges
+from pallas_kernels.anchored_attention.tile_tables import per_anchor_ranges
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
 BACKWARDS = ("pallas", "xla")

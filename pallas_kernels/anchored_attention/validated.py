@@ -10,7 +10,7 @@ from a check's ``result.json``; it is empty until a GPU check has run.
 Entry::
 
     {"device_kind": "NVIDIA H200", "head_dim": 128, "groups": 4, "dtype": "bfloat16",
-     "window": false, "impl": "pallas", "tiles": {...Tiles fields...},
+     "window": false, "impl": "pallas", "tiles": {...TileConfig fields...},
      "speedup_vs_xla": 1.8, "jax": "0.11.2", "date": "2026-12-01"}
 """
 

@@ -23,9 +23,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax import hlo_stats
 from dflash_jax.dtypes import to_dtype
-from dflash_jax.sharding import MESH_AXES, MeshConfig, make_mesh, named_sharding
+from dflash_jax.sharding import (
+    BATCH_AXES,
+    MESH_AXES,
+    MeshConfig,
+    logical_sharding,
+    make_mesh,
+    named_sharding,
+)
+from dflash_jax.tools import hlo_stats
+from dflash_jax.training.step import array_shardings, jit_train_step
 
 
 class LayoutError(ValueError):
@@ -163,10 +171,6 @@ def _abstract_with_shardings(state, mesh: Mesh):
     return jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _shardings(abstract_state):
-    return jax.tree.map(lambda x: x.sharding, abstract_state)
-
-
 def per_device_bytes(abstract_state) -> int:
     """Bytes one device holds: each leaf's shard shape times its itemsize (the largest shard)."""
     total = 0
@@ -199,8 +203,8 @@ def abstract_drafter_and_optimizer(spec: PlanSpec, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows over (data, fsdp): the layout the trainer's input pipeline uses."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+    """The trainer's batch layout (``BATCH_AXES`` by the logical rules: rows over the data axes)."""
+    return logical_sharding(mesh, BATCH_AXES)
 
 
 def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
@@ -220,6 +224,12 @@ def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
     return batch
 
 
+def abstract_key(mesh: Mesh):
+    """The step's PRNG key as the training loop makes it under ``jax.set_mesh``: replicated."""
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
 # --------------------------------------------------------------------------------------------
 # compiled step functions
 # --------------------------------------------------------------------------------------------
@@ -232,19 +242,6 @@ def _target_forward_fn(t_graph, layer_ids):
         return target_pass(nnx.merge(t_graph, t_state), batch, layer_ids)
 
     return forward
-
-
-def _train_step_fn(d_graph, t_graph, train_section):
-    from dflash_jax.training.step import apply_train_step
-
-    def step(state, t_state, batch, key):
-        drafter, optimizer = nnx.merge(d_graph, state)
-        target = nnx.merge(t_graph, t_state)
-        lr = jnp.float32(train_section.learning_rate)  # the rate is a traced argument of the step
-        metrics = apply_train_step(drafter, optimizer, target, batch, key, train_section, lr)
-        return nnx.state((drafter, optimizer)), metrics
-
-    return step
 
 
 def _cpu_compiler_options(plan_only: bool, *, hoist_invariants: bool = True) -> dict:
@@ -285,6 +282,21 @@ def _memory(compiled):
     )
 
 
+def lower_train_step(spec: PlanSpec, d_graph, d_state, t_graph, t_state, batch, key):
+    """The trainer's step (``training.step.jit_train_step``, state donated, its layout kept) lowered on
+    abstract states; the learning rate is a traced scalar, as in the trainer."""
+    step = jit_train_step(
+        d_graph,
+        t_graph,
+        spec.train_section,
+        state_shardings=array_shardings(d_state),
+        # The run holds the whole target even when a cached step reads only its embedding and
+        # lm_head: count every weight as a live argument.
+        keep_unused=True,
+    )
+    return step.lower(d_state, t_state, batch, key, jax.ShapeDtypeStruct((), jnp.float32))
+
+
 def plan_layout(
     spec: PlanSpec,
     layout: MeshConfig,
@@ -303,7 +315,7 @@ def plan_layout(
         t_graph, t_state = abstract_target(spec, mesh)
         d_graph, d_state = abstract_drafter_and_optimizer(spec, mesh)
         batch = abstract_batch(spec, mesh)
-        key = jax.eval_shape(lambda: jax.random.key(0))
+        key = abstract_key(mesh)
 
         cpu = _cpu(devices)
         opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
@@ -313,15 +325,7 @@ def plan_layout(
         if not spec.cached_features:
             fwd = jax.jit(_target_forward_fn(t_graph, layer_ids)).lower(t_state, batch)
             fwd = fwd.compile(compiler_options=fwd_opts)
-        step_jit = jax.jit(
-            _train_step_fn(d_graph, t_graph, spec.train_section),
-            donate_argnums=(0,),
-            out_shardings=(_shardings(d_state), None),
-            # The run holds the whole target even when a cached step reads only its embedding
-            # and lm_head: count every weight as a live argument.
-            keep_unused=True,
-        )
-        lowered = step_jit.lower(d_state, t_state, batch, key)
+        lowered = lower_train_step(spec, d_graph, d_state, t_graph, t_state, batch, key)
         compiled = lowered.compile(compiler_options=opts)
     compile_s = time.perf_counter() - t0
     stats = hlo_stats.analyze(compiled.as_text())
@@ -394,11 +398,12 @@ def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int)
         elif name not in batch:
             batch[name] = rng.standard_normal(abstract.shape, np.float32).astype(abstract.dtype)
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
+    learning_rate = jnp.float32(spec.train_section.learning_rate)
     times = []
     with jax.set_mesh(mesh):
         for i in range(steps + 1):
             t0 = time.perf_counter()
-            d_real, metrics = compiled(d_real, t_real, batch, jax.random.key(i))
+            d_real, metrics = compiled(d_real, t_real, batch, jax.random.key(i), learning_rate)
             jax.block_until_ready(metrics)
             if i:  # the first call carries one-off transfer and allocation costs
                 times.append(time.perf_counter() - t0)
@@ -410,62 +415,33 @@ def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int)
 # --------------------------------------------------------------------------------------------
 
 
-def target_config_for_run(cfg):
-    """The target's architecture without touching its weights: ``target.architecture`` (HF
-    config.json fields written in the run config) or the target directory's config.json."""
-    from pathlib import Path
-
-    from dflash_jax.target.config import TargetConfig
-
-    t = cfg.target
-    if t.architecture:
-        return TargetConfig.from_hf_dict(dict(t.architecture))
-    if t.path == "tiny":
-        raise LayoutError(
-            "target.path=tiny has no architecture before its tokenizer is read; plan a real config"
-        )
-    if t.path == "smollm2":
-        from convert.smollm2 import smollm2_dir
-
-        return TargetConfig.from_pretrained(smollm2_dir())
-    path = Path(t.path)
-    if not (path / "config.json").is_file():
-        raise LayoutError(
-            f"cannot plan: {path}/config.json does not exist and the config has no target.architecture"
-        )
-    return TargetConfig.from_pretrained(path)
-
-
 def spec_for_run(
     cfg,
     *,
     target_config=None,
+    target_dir=None,
     seq_len: int | None = None,
     batch_rows: int | None = None,
     max_anchors=None,
     **train_overrides,
 ):
-    """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights."""
+    """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights: the
+    run's parts as the trainer assembles them (``training.assembly``, abstractly; the architecture
+    from ``target.architecture`` or ``target_dir``'s config.json), or for ``target_config`` instead
+    of the run's own target (a sweep over sizes)."""
     import dataclasses
-    from types import SimpleNamespace
 
-    from dflash_jax.training.setup import build_drafter_config
+    from dflash_jax.training.assembly import assemble
 
-    tc = target_config or target_config_for_run(cfg)
-    if cfg.drafter.mask_token_id is None:
-        # The mask token only picks an embedding row; any valid row plans the same memory.
-        cfg = dataclasses.replace(
-            cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=tc.vocab_size - 1)
-        )
-    dcfg = build_drafter_config(cfg, SimpleNamespace(config=tc), tokenizer=None)
+    parts = assemble(cfg, abstract=True, target_dir=target_dir, target_config=target_config)
     train = cfg.train
     if max_anchors is not None or train_overrides:
         train = dataclasses.replace(
             train, **({"max_anchors": max_anchors} if max_anchors else {}), **train_overrides
         )
     return PlanSpec(
-        target_config=tc,
-        drafter_config=dcfg,
+        target_config=parts.target_config,
+        drafter_config=parts.drafter_config,
         train_section=train,
         target_dtype=cfg.target.dtype,
         batch_rows=batch_rows or cfg.data.batch_size,
@@ -531,13 +507,11 @@ def describe(plan: LayoutPlan, device_memory: int | None) -> str:
     return "\n".join(lines)
 
 
-def preflight(
-    cfg, devices, *, target_config=None, device_memory: int | None = None
-) -> tuple[LayoutPlan, str]:
+def preflight(cfg, devices, *, target_dir=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
     """Plan the run's own config and mesh before any weight is read; raise PlanDoesNotFit (with
     the numbers) when the step's per-device peak exceeds ``device_memory`` (default: what the
     devices report; unknown on CPU, where nothing is refused)."""
-    spec = spec_for_run(cfg, target_config=target_config)
+    spec = spec_for_run(cfg, target_dir=target_dir)
     p = plan_layout(spec, cfg.mesh, devices)
     limit = device_memory if device_memory is not None else device_memory_limit(devices)
     text = describe(p, limit)
@@ -554,13 +528,10 @@ def check_run_fits(cfg, target_dir, mesh, device_memory: int | None = None, *, q
     """Pre-flight: AOT-compile this run's step on abstract weights and refuse a run that cannot fit,
     before the target is loaded. Runs when the devices report their memory (accelerators) or when
     ``device_memory`` is given; CPU runs without it skip the compile."""
-    from dflash_jax.target.config import TargetConfig
-
     devices = list(mesh.devices.flat)
     if device_memory is None and device_memory_limit(devices) is None:
         return None
-    arch = TargetConfig.from_pretrained(target_dir) if not cfg.target.architecture else None
-    p, text = preflight(cfg, devices, target_config=arch, device_memory=device_memory)
+    p, text = preflight(cfg, devices, target_dir=target_dir, device_memory=device_memory)
     if not quiet:
         logging.getLogger("dflash_jax.train").info("pre-flight memory plan:\n%s", text)
     return p

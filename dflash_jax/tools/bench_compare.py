@@ -1,8 +1,8 @@
 """Side-by-side benchmarks against the PyTorch references: ``python -m dflash_jax.bench compare WHAT``.
 
-``target``: target forward (feature taps on) vs transformers; ``drafter-step``: drafter
-forward + backward + AdamW, target features given, vs the same step on z-lab's
-``DFlashDraftModel`` with a dense anchored mask; ``eval``: speculative decoding per generated
+``target``: target forward (feature taps on) vs transformers; ``drafter-step``: the
+training step (the trainer's jitted step: loss, AdamW, update checks) with target features and
+labels given, vs the same step on z-lab's ``DFlashDraftModel`` with a dense anchored mask; ``eval``: speculative decoding per generated
 token vs z-lab's ``dflash_generate`` on the transformers target, and plain greedy of each;
 ``attention``: the anchored attention per implementation (``bench attention``'s code);
 ``matmuls``: each distinct matmul shape of those models alone, jitted einsum vs torch ``linear``.
@@ -56,10 +56,10 @@ def _median_pair(ours, ref, repeats: int) -> dict:
 
 
 def _maybe_profile(args, ours, jitted=None, *call_args) -> dict | None:
-    """``--profile``: a ``jax.profiler`` summary of one more call of ours (see dflash_jax.profiling)."""
+    """``--profile``: a ``jax.profiler`` summary of one more call of ours (see dflash_jax.tools.profiling)."""
     if not getattr(args, "profile", False):
         return None
-    from dflash_jax.profiling import profile
+    from dflash_jax.tools.profiling import profile
 
     texts = []
     if jitted is not None:
@@ -119,14 +119,6 @@ def load_both(path: Path):
     return target, hf
 
 
-def target_flops(cfg, tokens: int) -> float:
-    """Matmul FLOPs of the projections (q, k, v, o, gate, up, down) over ``tokens``; attention
-    scores not counted."""
-    per_layer = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
-    return 2.0 * cfg.num_layers * per_layer * tokens
-
-
 def projection_shapes(cfg, tokens: int, vocab_rows: int) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of each distinct matmul of the target forward and of the drafter loss."""
     D, H = cfg.hidden_size, cfg.head_dim
@@ -153,6 +145,8 @@ def compare_target(args) -> dict:
     import torch
     from flax import nnx
 
+    from dflash_jax.tools.flops import target_forward_flops
+
     path = target_dir(args.small)
     target, hf = load_both(path)
     cfg = target.config
@@ -173,7 +167,7 @@ def compare_target(args) -> dict:
 
     out = {"target": str(path), "rows": R, "length": T, "taps": list(taps), "dtype": "float32"}
     out.update(_median_pair(ours, ref, args.repeats))
-    flops = target_flops(cfg, R * T)
+    flops = target_forward_flops(cfg, R * T)
     out["ours_gflops"] = flops / out["ours_s"] / 1e9
     out["ref_gflops"] = flops / out["ref_s"] / 1e9
     out["ours_tokens_per_s"] = R * T / out["ours_s"]
@@ -214,7 +208,9 @@ def step_shape(args) -> tuple[int, int, int, int, int]:
 
 
 def compare_drafter_step(args) -> dict:
-    import optax
+    """The training step (``training.step.make_train_step``: the trainer's jitted step, its
+    optimizer, loss and update checks) on a batch from the feature cache's layout (target features
+    and per-position labels given: no target forward), vs the same step on z-lab's model."""
     import torch
     import torch.nn.functional as F
     from dflash import model as dm
@@ -223,8 +219,11 @@ def compare_drafter_step(args) -> dict:
     from convert.zlab_drafter import write_zlab_drafter
     from dflash_jax.drafter.api import get_params, init_drafter
     from dflash_jax.drafter.config import DrafterConfig
-    from dflash_jax.training.loss import chunked_token_loss, slot_weights
-    from dflash_jax.training.step import gather_positions
+    from dflash_jax.tools.flops import drafter_train_flops
+    from dflash_jax.training.anchors import sample_anchors, slot_targets
+    from dflash_jax.training.loss import slot_weights
+    from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.step import gather_positions, make_optimizer, make_train_step
 
     path = target_dir(args.small)
     target, hf = load_both(path)
@@ -239,59 +238,51 @@ def compare_drafter_step(args) -> dict:
         target_layer_ids=taps,
         attention_impl="xla",
     )
+    train = TrainSection(max_anchors=A, loss="ce", loss_chunk=STEP_LOSS_CHUNK, learning_rate=1e-3)
     drafter = init_drafter(dcfg, target, 0)
     with tempfile.TemporaryDirectory() as d:
         write_zlab_drafter(d, dcfg, jax.device_get(get_params(drafter)), dtype="float32")
         zmodel = dm.DFlashDraftModel.from_pretrained(d, dtype=torch.float32).train()
 
-    # One batch: one document per row, random anchors, labels = the target's argmax (given).
+    # One batch, one document per row, with the feature cache's arrays: the target's tapped
+    # features and its argmax per position (the ce labels).
     rng = np.random.default_rng(0)
     ids = rng.integers(0, min(cfg.vocab_size - 1, 30000), size=(R, T)).astype(np.int32)
     seg = np.ones((R, T), np.int32)
     pos = np.broadcast_to(np.arange(T, dtype=np.int32), (R, T)).copy()
-    anchors = np.sort(np.stack([rng.choice(T - S, A, replace=False) for _ in range(R)]), 1).astype(np.int32)
-    valid = np.ones((R, A), bool)
     out_t = target(
         jnp.asarray(ids), jnp.asarray(pos), segment_ids=jnp.asarray(seg), layer_ids=taps, return_logits=False
     )
-    feats = out_t.features
     lm_head = target.lm_head_weight()  # [D, V]
-    label_pos = jnp.asarray(anchors)[..., None] + jnp.arange(S - 1)  # slot k's label: a+k-1 (anchors < T-S)
-    labels = jnp.argmax(gather_positions(out_t.hidden, label_pos) @ lm_head, -1).astype(
-        jnp.int32
-    )  # [R,A,S-1]
-    embeds = drafter.train_block_embeds(target, jnp.asarray(ids), jnp.asarray(anchors))  # [R,A,S,D]
-    w = np.asarray(slot_weights(S, None, "decay"))[1:]
-    weights = np.broadcast_to(w, (R, A, S - 1)).reshape(-1).astype(np.float32)
-    lr, wd, clip = 1e-3, 0.01, 1.0
+    position_labels = jnp.argmax(out_t.hidden @ lm_head, -1).astype(jnp.int32)  # [R, T]
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "positions": jnp.asarray(pos),
+        "segment_ids": jnp.asarray(seg),
+        "loss_mask": jnp.ones((R, T), jnp.int32),
+        "features": out_t.features,
+        "labels": position_labels,
+    }
+    key = jax.random.key(0)
+    # The anchors the step draws from this key (drafter_loss: the first half of its split) and
+    # the slots it trains, so the reference trains the same blocks with the same weights.
+    anchors, valid = sample_anchors(
+        jax.random.split(key)[0], batch["loss_mask"], batch["segment_ids"], max_anchors=A
+    )
+    label_pos, trained = slot_targets(anchors, valid, batch["loss_mask"], batch["segment_ids"], S)
+    labels = gather_positions(position_labels, label_pos)  # [R, A, S-1]
+    embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)  # [R, A, S, D]
+    w = np.asarray(slot_weights(S, train.gamma, train.loss_weighting))[1:]
+    weights = (w * np.asarray(trained)).reshape(-1).astype(np.float32)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
     D = cfg.hidden_size
 
-    # ours: the training step's drafter half (forward_train -> chunked CE -> clip + AdamW)
-    tx_opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd))
-    optimizer = nnx.Optimizer(drafter, tx_opt, wrt=nnx.Param)
-    jw = jnp.asarray(weights)
-    batch = [jnp.asarray(x) for x in (pos, seg, anchors, valid)]
-
-    @nnx.jit
-    def step(drafter, optimizer, feats, embeds, labels):
-        def loss_fn(m):
-            draft = m.forward_train(feats, *batch, embeds)
-            loss_i, _, _ = chunked_token_loss(
-                draft[:, :, 1:].reshape(-1, D),
-                None,
-                lm_head,
-                kind="ce",
-                chunk=STEP_LOSS_CHUNK,
-                labels=labels.reshape(-1),
-            )
-            return jnp.sum(loss_i * jw) / jnp.sum(jw)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(drafter)
-        optimizer.update(drafter, grads)
-        return loss
+    optimizer = nnx.Optimizer(drafter, make_optimizer(train), wrt=nnx.Param)
+    step = make_train_step(train)
+    lr = np.float32(train.learning_rate)
 
     # reference: z-lab's model on [context ; all blocks] with the dense mask, same loss and AdamW
-    t_feats = torch.from_numpy(np.array(feats))
+    t_feats = torch.from_numpy(np.array(out_t.features))
     t_noise = torch.from_numpy(np.array(embeds).reshape(R, A * S, D))
     slot_pos = anchors[:, :, None] + np.arange(S)[None, None]
     t_pos = torch.from_numpy(np.concatenate([pos, slot_pos.reshape(R, -1)], 1)).long()
@@ -299,7 +290,12 @@ def compare_drafter_step(args) -> dict:
     t_head = torch.from_numpy(np.asarray(lm_head).T.copy())  # [V, D] frozen
     t_labels = torch.from_numpy(np.asarray(labels).reshape(-1)).long()
     t_w = torch.from_numpy(weights)
-    topt = torch.optim.AdamW(zmodel.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
+    topt = torch.optim.AdamW(
+        zmodel.parameters(),
+        lr=train.learning_rate,
+        betas=(train.b1, train.b2),
+        weight_decay=train.weight_decay,
+    )
 
     def ref_step():
         topt.zero_grad(set_to_none=True)
@@ -308,16 +304,16 @@ def compare_drafter_step(args) -> dict:
         loss_i = F.cross_entropy(h @ t_head.T, t_labels, reduction="none")
         loss = (loss_i * t_w).sum() / t_w.sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(zmodel.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_(zmodel.parameters(), train.grad_clip)
         topt.step()
         return loss
 
-    # Same weights, batch and loss: the first losses agree (before either update).
-    l_ours = float(step(drafter, optimizer, feats, embeds, labels))
+    # Same weights, batch, blocks and loss: the first losses agree (before either update).
+    l_ours = float(step(drafter, optimizer, target, batch, key, lr)["loss"])
     l_ref = float(ref_step().detach())
 
     def ours():
-        step(drafter, optimizer, feats, embeds, labels).block_until_ready()
+        jax.block_until_ready(step(drafter, optimizer, target, batch, key, lr))
 
     out = {
         "target": str(path),
@@ -330,19 +326,11 @@ def compare_drafter_step(args) -> dict:
         "first_loss_ref": l_ref,
     }
     out.update(_median_pair(ours, ref_step, args.repeats))
-    slots = R * A * (S - 1)
-    d_layer = (
-        2 * D * (dcfg.num_heads + 2 * dcfg.num_kv_heads) * dcfg.head_dim + 3 * D * dcfg.intermediate_size
-    )
-    ctx_tokens = R * T
-    flops = (
-        6.0 * (L * d_layer * (slots + R * A) + D * cfg.vocab_size * slots)
-        + 6.0 * dcfg.feature_size * D * ctx_tokens
-    )
-    flops -= 2.0 * D * cfg.vocab_size * slots  # no weight gradient for the frozen lm_head
+    flops = drafter_train_flops(cfg, dcfg, context_tokens=R * T, blocks=int(valid.sum()))
     out["ours_gflops"] = flops / out["ours_s"] / 1e9
     out["ref_gflops"] = flops / out["ref_s"] / 1e9
-    out["profile"] = _maybe_profile(args, ours, step, drafter, optimizer, feats, embeds, labels)
+    profile_args = (drafter, optimizer, target, batch, key, lr)
+    out["profile"] = _maybe_profile(args, ours, step, *profile_args)
     return out
 
 
@@ -433,7 +421,7 @@ def compare_eval(args) -> dict:
 
 def compare_attention(args) -> dict:
     """``bench attention`` (one implementation each), with each ratio against ``reference``.
-    ``args.bench_attention`` is that function, handed over by ``dflash_jax.bench`` (the CLI that
+    ``args.bench_attention`` is that function, handed over by ``dflash_jax.tools.bench`` (the CLI that
     imports this module), so the two modules do not import each other."""
     import argparse
 
@@ -640,7 +628,7 @@ def markdown(out: dict, args) -> str:
                 f"| attention fwd+bwd: {impl} vs reference | {sh['rows']}x{sh['length']}, {sh['anchors']}x{sh['block']} | "
                 f"{val} | {ref:.0f} ms | {ratio} | — | — |"
             )
-    from dflash_jax.profiling import markdown_lines
+    from dflash_jax.tools.profiling import markdown_lines
 
     for key in ("target", "drafter-step", "eval"):
         if out.get(key, {}).get("profile"):
