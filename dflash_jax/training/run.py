@@ -57,11 +57,9 @@ def run(
     checked (one run per dir: ``overwrite`` replaces an old run, ``resume`` must not change what
     shapes the model or the data) and made sure writable.
     """
-    from dflash_jax.checkpoint import Checkpointer
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import merge_states
     from dflash_jax.training import evaluation, feature_cache, setup
-    from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.assembly import assemble
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
@@ -75,14 +73,7 @@ def run(
     run_dir = _prepare_run_dir(cfg, primary, resume=resume, resume_step=resume_step, overwrite=overwrite)
     mesh = make_mesh(cfg.mesh)
     if jax.process_count() > 1:
-        if cfg.regen.enabled or cfg.eval.num_prompts:
-            raise ConfigError(
-                "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
-                "eval.num_prompts=0 for a multi-process run (measure tau with python -m dflash_jax.eval)"
-            )
-        if primary:  # prepare shared files (the tiny target, assets) once, before the others read them
-            setup.resolve_target(cfg, run_dir)
-        distributed.barrier("resolve_target")
+        _prepare_shared_files(cfg, run_dir, primary)
 
     def before_target_loads(target_dir):
         if preflight is not None:
@@ -106,18 +97,9 @@ def run(
     resolved = {**cfg.to_dict(), "drafter_config": dcfg.to_dict(), "target_dir": str(parts.target_dir)}
     if primary:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
-    if resume_step is not None:  # before orbax lists the steps: later ones would shadow this one
-        if primary:
-            run_dirs.set_aside_checkpoints(run_dir, resume_step)
-        distributed.barrier("set_aside_checkpoints")
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
-    start_step, data_state = 0, None
-    if resume:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
-        meta = ckpt.restore(drafter, optimizer, step=resume_step, mesh=mesh)
-        start_step, data_state = int(meta["step"]), meta.get("data_state")
-        log.info("resumed from step %d", start_step)
+    ckpt, start_step, data_state = _open_checkpoints(
+        cfg, run_dir, drafter, optimizer, mesh, resume, resume_step
+    )
     data_iter = _open_training_data(cfg, parts, features_dir, data_state)
     schedule = _ScheduleFile(run_dir / "lr_schedule.json", resume)
     batch_sharding = logical_sharding(mesh, BATCH_AXES)
@@ -182,10 +164,7 @@ def run(
             raise
         ckpt.close()
         data_iter.close()
-        result.update(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
-        result.update(signal=done.signum, skipped_steps=done.skipped_steps, lr_decay_steps=done.decay_steps)
-        if done.last:
-            result.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
+        result.update(_summary(done))
         heldout.streak(done.step, "after")
         heldout.tau("after")
     logger.close()
@@ -217,6 +196,51 @@ def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step
         if changed:
             log.info("resuming with changed settings: %s", ", ".join(changed))
     return run_dir
+
+
+def _prepare_shared_files(cfg: RunConfig, run_dir: Path, primary: bool) -> None:
+    """A multi-process run: what runs on one process only is refused; the files every process
+    reads (the tiny target, assets) are made once, by the primary, before the others read them."""
+    if cfg.regen.enabled or cfg.eval.num_prompts:
+        raise ConfigError(
+            "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
+            "eval.num_prompts=0 for a multi-process run (measure tau with python -m dflash_jax.eval)"
+        )
+    from dflash_jax.training import setup
+
+    if primary:
+        setup.resolve_target(cfg, run_dir)
+    distributed.barrier("resolve_target")
+
+
+def _open_checkpoints(cfg: RunConfig, run_dir: Path, drafter, optimizer, mesh, resume: bool, resume_step):
+    """-> (Checkpointer, the step to start from, the data iterator's stored state). A resume
+    restores drafter and optimizer in place; ``resume_step`` first sets the later steps aside
+    (before orbax lists the steps: later ones would shadow this one)."""
+    from dflash_jax.checkpoint import Checkpointer
+    from dflash_jax.training import run_dir as run_dirs
+
+    if resume_step is not None:
+        if distributed.is_primary():
+            run_dirs.set_aside_checkpoints(run_dir, resume_step)
+        distributed.barrier("set_aside_checkpoints")
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    if not resume:
+        return ckpt, 0, None
+    if ckpt.latest_step() is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
+    meta = ckpt.restore(drafter, optimizer, step=resume_step, mesh=mesh)
+    log.info("resumed from step %d", int(meta["step"]))
+    return ckpt, int(meta["step"]), meta.get("data_state")
+
+
+def _summary(done) -> dict:
+    """What the loop's end reports in the run's result."""
+    out = dict(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
+    out.update(signal=done.signum, skipped_steps=done.skipped_steps, lr_decay_steps=done.decay_steps)
+    if done.last:
+        out.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
+    return out
 
 
 def _open_training_data(cfg: RunConfig, parts, features_dir, data_state):
