@@ -154,11 +154,11 @@ def _ragged_dot_experts(x, token, w, expert, sizes, p, c):
     return jnp.zeros((M, D), jnp.float32).at[token].add((y * w[:, None]).astype(jnp.float32)).astype(dt)
 
 
-def tile_rows(rows: int, n_local: int, tile: int) -> int:
-    """Rows per tile for ``rows`` routed rows over ``n_local`` experts: ``tile``, or less when
-    there are fewer than ``tile`` rows per expert (decoding), so the padding (at most
-    n_local x (tile - 1) rows) never outgrows the rows themselves."""
-    per_expert = max(1, rows // max(n_local, 1))
+def tile_rows(rows: int, num_experts: int, tile: int) -> int:
+    """Rows per tile for ``rows`` routed rows over ``num_experts`` experts: ``tile``, or the largest
+    power of two <= the rows per expert when that is less (decoding), so the padding (at most
+    E_local x (tile - 1) rows, E_local <= num_experts) never outgrows the rows themselves."""
+    per_expert = max(1, rows // max(num_experts, 1))
     return max(1, min(tile, 1 << (per_expert.bit_length() - 1)))
 
 
@@ -175,7 +175,7 @@ def _tiled_experts(x, token, w, sizes, p, c):
     M, D = x.shape
     R = token.shape[0]
     n_local = p["gate"].shape[0]
-    m = tile_rows(R, n_local, getattr(c, "moe_tile", 512))
+    m = tile_rows(R, c.num_experts, c.moe_tile)  # global E: the same tiles on one device or many
     n_tiles = min(R, (R + n_local * (m - 1)) // m)  # static bound on the tiles in use
     tiles = (sizes + m - 1) // m  # [E_local] tiles per expert
     tile_end = jnp.cumsum(tiles)
