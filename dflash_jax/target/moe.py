@@ -10,8 +10,13 @@ both put the lower expert index first among equal scores):
 
 Experts are dropless: every (token, choice) pair is computed, with no capacity factor. The pairs
 are sorted by expert and each expert's contiguous run of rows is multiplied by that expert's
-weights with one grouped matmul (``jax.lax.ragged_dot``), then weighted and scatter-added back
-to their tokens. Expert MLPs: SwiGLU (Qwen), or gpt-oss's clamped form with biases
+weights with one grouped matmul, then weighted and scatter-added back to their tokens. Two
+implementations (``TargetConfig.moe_matmul``): ``ragged_dot`` (``jax.lax.ragged_dot``, a real
+grouped matmul on TPU; the CPU backend, and by default XLA:GPU as reported, expand it into a dense
+dot over every local expert, E_local x the FLOPs and an [E_local, R, D] buffer) and ``tiled`` (each
+expert's rows padded to tiles of ``moe_tile`` rows, a loop over the tiles in use: the routed FLOPs
+plus padding and O(R) temporaries on any backend, forward only). ``auto`` (the default) picks
+``ragged_dot`` on TPU and ``tiled`` elsewhere, so plans on CPU and runs on GPUs get the tiled one. Expert MLPs: SwiGLU (Qwen), or gpt-oss's clamped form with biases
 (gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate)).
 
 Expert parallelism: the stacked expert weights [E, ...] carry the logical axis ``experts``,
@@ -106,10 +111,10 @@ def _activation(g, u, c):
 
 def moe_matmul_impl(c) -> str:
     """The grouped-matmul implementation ``c.moe_matmul`` names, ``auto`` resolved: ``ragged_dot``
-    on TPU (lowered to a real grouped matmul there), ``tiled`` elsewhere. The CPU backend, and
-    XLA:GPU unless an opt-in cuDNN fusion applies, expand ``ragged_dot`` into a dense dot over
+    on TPU (lowered to a real grouped matmul there), ``tiled`` elsewhere: the CPU backend, and by
+    default XLA:GPU (as reported, see docs/mesh.md), expand ``ragged_dot`` into a dense dot over
     every local expert with the other experts' rows masked: E_local x the FLOPs and an
-    [E_local, rows, D] buffer per projection (see docs/mesh.md)."""
+    [E_local, rows, D] buffer per projection."""
     impl = getattr(c, "moe_matmul", "auto")
     if impl == "auto":
         return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
