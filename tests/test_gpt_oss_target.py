@@ -228,9 +228,13 @@ def test_expert_parallel_equals_single_device(tmp_path_factory):
     target = dflash_jax.load_target(path, mesh=mesh)
     assert target.moe.gate[...].addressable_shards[0].data.shape[1] == 1
     out = run(target, ids, mesh=mesh)
-    for name in ("logits", "hidden", "features"):
+    for name in ("logits", "hidden", "features"):  # fp32 noise of reordered sums: ~5e-6 relative
         np.testing.assert_allclose(
-            np.asarray(getattr(out, name)), np.asarray(getattr(single, name)), atol=1e-5, rtol=0, err_msg=name
+            np.asarray(getattr(out, name)),
+            np.asarray(getattr(single, name)),
+            atol=1e-5,
+            rtol=1e-5,
+            err_msg=name,
         )
 
 

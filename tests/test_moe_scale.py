@@ -61,7 +61,7 @@ def test_architecture_and_drafter_as_published(name):
     assert ours == _hf_param_count(arch)
     spec = plan.spec_for_run(run)
     assert spec.drafter_config.target_layer_ids == taps and spec.drafter_config.block_size == 16
-    assert plan.check_layout(run.mesh, spec, 8) == (1, 8, 1)
+    assert plan.check_layout(run.mesh, spec, 8) == (1, 4, 2)  # the planned mesh (docs/mesh.md)
     mesh = make_mesh(MeshConfig(data=1, fsdp=8))
     gate = abstract.moe.gate
     assert named_sharding(mesh, gate.get_metadata()["logical_axes"], gate.shape).spec == PartitionSpec(

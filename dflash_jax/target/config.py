@@ -42,6 +42,7 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"  # gpt-oss: full attention over the last sliding_window keys
 DENSE_MLP, MOE_MLP = "dense", "moe"
+MOE_MATMULS = ("auto", "ragged_dot", "tiled")  # grouped-matmul implementations (target/moe.py)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,10 @@ class TargetConfig:
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
     sliding_window: int = 0
+    # How the routed experts' grouped matmul is computed (ours, not config.json's; target/moe.py):
+    # auto (ragged_dot on TPU, tiled elsewhere) | ragged_dot | tiled, with moe_tile rows per tile.
+    moe_matmul: str = "auto"
+    moe_tile: int = 512
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -146,6 +151,12 @@ class TargetConfig:
             )
 
     def _check_moe(self):
+        if self.moe_matmul not in MOE_MATMULS:
+            raise ValueError(
+                f"TargetConfig.moe_matmul must be one of {', '.join(MOE_MATMULS)}, got {self.moe_matmul!r}"
+            )
+        if isinstance(self.moe_tile, bool) or not isinstance(self.moe_tile, int) or self.moe_tile < 1:
+            raise ValueError(f"TargetConfig.moe_tile must be an int >= 1, got {self.moe_tile!r}")
         moe = tuple(int(i) for i in self.moe_layers)
         object.__setattr__(self, "moe_layers", moe)
         if self.model_type not in MOE_MODEL_TYPES:

@@ -10,8 +10,13 @@ both put the lower expert index first among equal scores):
 
 Experts are dropless: every (token, choice) pair is computed, with no capacity factor. The pairs
 are sorted by expert and each expert's contiguous run of rows is multiplied by that expert's
-weights with one grouped matmul (``jax.lax.ragged_dot``), then weighted and scatter-added back
-to their tokens. Expert MLPs: SwiGLU (Qwen), or gpt-oss's clamped form with biases
+weights with one grouped matmul, then weighted and scatter-added back to their tokens. Two
+implementations (``TargetConfig.moe_matmul``): ``ragged_dot`` (``jax.lax.ragged_dot``, a real
+grouped matmul on TPU; the CPU backend, and by default XLA:GPU as reported, expand it into a dense
+dot over every local expert, E_local x the FLOPs and an [E_local, R, D] buffer) and ``tiled`` (each
+expert's rows padded to tiles of ``moe_tile`` rows, a loop over the tiles in use: the routed FLOPs
+plus padding and O(R) temporaries on any backend, forward only). ``auto`` (the default) picks
+``ragged_dot`` on TPU and ``tiled`` elsewhere, so plans on CPU and runs on GPUs get the tiled one. Expert MLPs: SwiGLU (Qwen), or gpt-oss's clamped form with biases
 (gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate)).
 
 Expert parallelism: the stacked expert weights [E, ...] carry the logical axis ``experts``,
@@ -104,33 +109,110 @@ def _activation(g, u, c):
     return jax.nn.silu(g) * u
 
 
+def moe_matmul_impl(c) -> str:
+    """The grouped-matmul implementation ``c.moe_matmul`` names, ``auto`` resolved: ``ragged_dot``
+    on TPU (lowered to a real grouped matmul there), ``tiled`` elsewhere: the CPU backend, and by
+    default XLA:GPU (as reported, see docs/mesh.md), expand ``ragged_dot`` into a dense dot over
+    every local expert with the other experts' rows masked: E_local x the FLOPs and an
+    [E_local, rows, D] buffer per projection."""
+    impl = getattr(c, "moe_matmul", "auto")
+    if impl == "auto":
+        return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
+    return impl
+
+
 def grouped_experts(x, weights, idx, p, c, first_expert=0):
     """The routed experts over local tokens: x [M, D], weights / idx [M, k] -> [M, D].
 
     Only experts first_expert .. first_expert + E_local - 1 (E_local = p["gate"].shape[0]) are
-    computed here; pairs routed elsewhere contribute zero (another device computes them)."""
-    M, D = x.shape
-    k = idx.shape[-1]
+    computed here; pairs routed elsewhere contribute zero (another device computes them). The
+    grouped matmul is ``c.moe_matmul``'s (``moe_matmul_impl``)."""
     n_local = p["gate"].shape[0]
     rel = idx.reshape(-1) - first_expert  # [R]
     mine = (rel >= 0) & (rel < n_local)
     key = jnp.where(mine, rel, n_local)  # pairs of other devices' experts sort last
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
-    token = (jnp.arange(M * k, dtype=jnp.int32) // k)[order]
+    token = (jnp.arange(idx.size, dtype=jnp.int32) // idx.shape[-1])[order]
+    w = jnp.where(mine, weights.reshape(-1), 0)[order].astype(x.dtype)
+    if moe_matmul_impl(c) == "tiled":
+        return _tiled_experts(x, token, w, sizes, p, c)
+    return _ragged_dot_experts(x, token, w, key[order], sizes, p, c)
+
+
+def _ragged_dot_experts(x, token, w, expert, sizes, p, c):
+    """Sorted pairs (token [R], weight w [R], local expert [R], E_local for other devices' pairs,
+    which sort last) through three ``ragged_dot`` calls."""
+    M, D = x.shape
+    n_local = p["gate"].shape[0]
     rows = x[token]  # [R, D], grouped by expert
     dt = x.dtype
     g = jax.lax.ragged_dot(rows, p["gate"].astype(dt), sizes)
     u = jax.lax.ragged_dot(rows, p["up"].astype(dt), sizes)
     if "gate_bias" in p:
-        e = jnp.minimum(key[order], n_local - 1)
+        e = jnp.minimum(expert, n_local - 1)
         g = g + p["gate_bias"].astype(dt)[e]
         u = u + p["up_bias"].astype(dt)[e]
     y = jax.lax.ragged_dot(_activation(g, u, c), p["down"].astype(dt), sizes)
     if "down_bias" in p:
         y = y + p["down_bias"].astype(dt)[e]
-    w = jnp.where(mine, weights.reshape(-1), 0)[order].astype(dt)
     return jnp.zeros((M, D), jnp.float32).at[token].add((y * w[:, None]).astype(jnp.float32)).astype(dt)
+
+
+def tile_rows(rows: int, num_experts: int, tile: int) -> int:
+    """Rows per tile for ``rows`` routed rows over ``num_experts`` experts: ``tile``, or the largest
+    power of two <= the rows per expert when that is less (decoding), so the padding (at most
+    E_local x (tile - 1) rows, E_local <= num_experts) never outgrows the rows themselves."""
+    per_expert = max(1, rows // max(num_experts, 1))
+    return max(1, min(tile, 1 << (per_expert.bit_length() - 1)))
+
+
+def _tiled_experts(x, token, w, sizes, p, c):
+    """Sorted pairs through a grouped matmul of tiles: each expert's run of rows is padded up to a
+    multiple of m rows, so every tile of m rows belongs to one expert, and a loop over the tiles in
+    use multiplies each by its expert's weights, read with a dynamic index (never a gather of
+    weights per tile). Its trip count is data-dependent (a ``while`` loop), so the work is that of
+    the rows routed here plus at most E_local x (m - 1) padding rows, and the temporaries are
+    O(rows) indices, the [M, D] fp32 sum and one tile's [m, F] activations.
+
+    Forward only (reverse-mode differentiation of a data-dependent loop is unsupported): the
+    target is frozen and the train step never differentiates through it."""
+    M, D = x.shape
+    R = token.shape[0]
+    n_local = p["gate"].shape[0]
+    m = tile_rows(R, c.num_experts, c.moe_tile)  # global E: the same tiles on one device or many
+    n_tiles = min(R, (R + n_local * (m - 1)) // m)  # static bound on the tiles in use
+    tiles = (sizes + m - 1) // m  # [E_local] tiles per expert
+    tile_end = jnp.cumsum(tiles)
+    used = tile_end[-1]
+    row_start = jnp.cumsum(sizes) - sizes  # first sorted row of each expert
+    slot_start = (tile_end - tiles) * m  # its first padded slot
+    # Sorted row j -> padded slot; rows of other devices' experts (j >= sum(sizes)) are dropped.
+    rank = jnp.arange(R, dtype=jnp.int32)
+    e_of_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rank, side="right"), n_local - 1)
+    slot = jnp.where(rank < jnp.sum(sizes), slot_start[e_of_row] + rank - row_start[e_of_row], n_tiles * m)
+    slot_token = jnp.full((n_tiles * m,), M, jnp.int32).at[slot].set(token, mode="drop")  # M: padding
+    slot_weight = jnp.zeros((n_tiles * m,), x.dtype).at[slot].set(w, mode="drop")
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
+    dt = x.dtype
+
+    def one_tile(t, out):
+        tok = jax.lax.dynamic_slice_in_dim(slot_token, t * m, m)
+        wt = jax.lax.dynamic_slice_in_dim(slot_weight, t * m, m)
+        xt = x.at[tok].get(mode="fill", fill_value=0)  # [m, D]; padding rows are zeros
+        e = tile_expert[t]
+        g = xt @ p["gate"][e].astype(dt)
+        u = xt @ p["up"][e].astype(dt)
+        if "gate_bias" in p:
+            g = g + p["gate_bias"][e].astype(dt)
+            u = u + p["up_bias"][e].astype(dt)
+        y = _activation(g, u, c) @ p["down"][e].astype(dt)
+        if "down_bias" in p:
+            y = y + p["down_bias"][e].astype(dt)
+        return out.at[tok].add((y * wt[:, None]).astype(jnp.float32), mode="drop")
+
+    out = jax.lax.fori_loop(0, used, one_tile, jnp.zeros((M, D), jnp.float32))
+    return out.astype(dt)
 
 
 _EXPERT_NAMES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
