@@ -26,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="ref_train.py's WORKDIR (created)")
     p.add_argument("--train-jsonl", required=True, type=Path, help="the run's regenerated train.jsonl")
     p.add_argument("--config", default="demo")
+    p.add_argument("--overwrite", action="store_true", help="replace the files of an existing WORKDIR")
     p.add_argument("overrides", nargs="*", help="the run's config overrides (key=value)")
     args = p.parse_args(argv)
+    existing = [n for n in ("prompts.json", "regen.json") if (args.out / n).exists()]
+    if existing and not args.overwrite:
+        sys.exit(f"{args.out} already holds {', '.join(existing)}; pass --overwrite to replace them")
 
     from transformers import AutoTokenizer
 
@@ -36,12 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.decoding.prompts import encode_prompt
     from dflash_jax.training.evaluation import heldout_prompt_ids
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import resolve_target_dir
+    from dflash_jax.training.setup import resolve_target
 
     cfg = load_run_config(args.config, args.overrides)
-    tok_dir = (
-        resolve_target_dir(cfg.target) if cfg.target.tokenizer in (None, "smollm2") else cfg.target.tokenizer
-    )
+    _, tok_dir = resolve_target(cfg, args.out)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     eot = cfg.data.eot_token or chat.end_of_turn_token(tokenizer, chat_template=cfg.data.chat_template)
 
