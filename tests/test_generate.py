@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hf_fixtures import make_hf_model, prompt_ids
 
 import dflash_jax
 from dflash_jax.data.pipeline import DataConfig, make_train_iterator
-from dflash_jax.decoding.generate import generate
+from dflash_jax.decoding.generate import _generate_batch, generate
 from dflash_jax.decoding.regeneration import regenerate_records
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.regenerate import main as regenerate_main
@@ -142,3 +146,60 @@ def test_regenerate_cli_writes_data_the_pipeline_reads(smollm2, tmp_path):
     )
     batch = next(it)
     assert batch["loss_mask"].sum() > 0
+
+
+def _while_bodies(hlo_text: str) -> dict[str, list[str]]:
+    """Optimized HLO text -> {while-body computation name: its instruction lines}."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    comps, name = {}, None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = line.split()[0].lstrip("%")
+            comps[name] = []
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line.strip())
+    return {k: v for k, v in comps.items() if k in bodies}
+
+
+def test_decoding_step_writes_only_the_new_tokens_of_the_cache(tmp_path):
+    """Each decoding step scatters its new K/V into the cache and touches nothing else of that size:
+    the layer scan once returned every layer's whole buffer (and was fed [L, 1, ...] reshapes), so
+    XLA copied the entire cache and all weights on every step (BENCHMARKS "Regeneration")."""
+    hf = make_hf_model("qwen3", seed=21)
+    hf.save_pretrained(tmp_path)
+    target = dflash_jax.load_target(tmp_path)
+    c = target.config
+    B, P, M = 4, 16, 8
+    graph, state = nnx.split(target)
+
+    def run(state, ids, lengths, eos, key):
+        return _generate_batch(
+            nnx.merge(graph, state), ids, lengths, eos, key, max_new_tokens=M, sampling=SamplingConfig()
+        )
+
+    hlo = (
+        jax.jit(run)
+        .lower(
+            state,
+            jnp.zeros((B, P), jnp.int32),
+            jnp.full((B,), P, jnp.int32),
+            jnp.asarray([-1]),
+            jax.random.key(0),
+        )
+        .compile()
+        .as_text()
+    )
+    cache_dims = [c.num_layers, B, P + M, c.num_kv_heads, c.head_dim]
+    result = re.compile(r"^(?:ROOT )?%?(?P<name>[\w.\-]+) = f32\[(?P<dims>[\d,]*)\]\S* (?P<kind>[\w\-]+)\(")
+    writers = []
+    for body in _while_bodies(hlo).values():
+        for line in body:
+            m = result.match(line)
+            if not m or m["kind"] in ("parameter", "get-tuple-element", "bitcast"):
+                continue
+            dims = [int(d) for d in m["dims"].split(",") if d and d != "1"]
+            if dims == cache_dims:
+                writers.append((m["name"], m["kind"]))
+    scatters = [w for w in writers if "scatter" in w[0] or w[1] == "scatter"]
+    assert len(scatters) == 2, writers  # K and V of the decoding loop
+    assert scatters == writers, f"whole-cache copies in a decoding loop: {writers}"

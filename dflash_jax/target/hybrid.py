@@ -60,6 +60,7 @@ from dflash_jax.target.model import (
     dense_mlp_specs,
     layer_period,
     per_period,
+    write_cache_rows,
 )
 from dflash_jax.target.moe import moe_block, moe_param_specs
 
@@ -445,7 +446,13 @@ class HybridTargetModel(TargetModel):
         new_cache = None
         if cache is not None:
             flat = lambda a: a.reshape(G * a.shape[1], *a.shape[2:])  # [G, n, ...] -> [G*n, ...]
-            k_new, v_new = (flat(a) for a in kv_out) if n_attn else (cache.k, cache.v)
+            if n_attn:
+                k_new, v_new = (
+                    write_cache_rows(buf, flat(a), cache.lengths)
+                    for buf, a in zip((cache.k, cache.v), kv_out, strict=True)
+                )
+            else:
+                k_new, v_new = cache.k, cache.v
             if n_gdn:
                 window, state, (conv0, state0, xin, g, beta, conv_w) = jax.tree.map(flat, conv_out)
             else:

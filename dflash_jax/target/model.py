@@ -173,14 +173,26 @@ def _write_rows(buf, new, starts):
 
 
 def cached_kv(kv, k, v, lengths):
-    """Write this forward's k, v [B,T,K,H] into one layer's cache buffers ``kv`` = (k_buf, v_buf)
-    [B,S,K,H] at each row's length; -> (keys, values over the whole buffer, new (k_buf, v_buf)).
+    """This forward's k, v [B,T,K,H] placed into one layer's cache buffers ``kv`` = (k_buf, v_buf)
+    [B,S,K,H] at each row's length -> (keys, values over the whole buffer, (k, v) in the cache's
+    dtype). The cache itself is written once after the layer scan (``write_cache_rows``): a scan
+    that returned every layer's whole buffer rewrote the entire cache on each decoding step.
     Without a cache (kv None) the keys and values are this forward's own."""
     if kv is None:
         return k, v, None
-    k_all = _write_rows(kv[0], k.astype(kv[0].dtype), lengths)
-    v_all = _write_rows(kv[1], v.astype(kv[1].dtype), lengths)
-    return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
+    k_new, v_new = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
+    k_all = _write_rows(kv[0], k_new, lengths)
+    v_all = _write_rows(kv[1], v_new, lengths)
+    return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_new, v_new)
+
+
+def write_cache_rows(buf, new, lengths):
+    """buf [L,B,S,K,H] (every layer's cache), new [L,B,T,K,H]: new[:, b, t] written at
+    buf[:, b, lengths[b] + t] (a scatter, in place when buf is not used afterwards)."""
+    B, T = new.shape[1], new.shape[2]
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    cols = lengths[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None]
+    return buf.at[:, rows, cols].set(new, mode="drop")
 
 
 @dataclass(frozen=True)
@@ -297,6 +309,13 @@ class TargetModel(nnx.Module):
         kinds = kinds[:P]
         n_moe = kinds.count(MOE_MLP)
         n_dense = P - n_moe
+        # With one layer per period the stacked [L, ...] leaves are scanned as they are: reshaping
+        # them to [L, 1, ...] made XLA copy every weight and the whole KV cache on each call, i.e.
+        # on every decoding step (BENCHMARKS "Regeneration").
+        if P == 1:
+            split, member = (lambda tree, n: tree), (lambda a, j: a)
+        else:
+            split, member = (lambda tree, n: per_period(tree, G, n)), (lambda a, j: a[j])
 
         def attention(p, h, kv, window):
             y = rms_norm(h, p["input_norm"], c.rms_norm_eps)
@@ -323,44 +342,52 @@ class TargetModel(nnx.Module):
             new_kv, loads = [], []
             im = idn = 0
             for j, kind in enumerate(kinds):
-                p = jax.tree.map(lambda a, j=j: a[j], layer_params)
-                layer_kv = None if kv is None else (kv[0][j], kv[1][j])
-                h, nkv = attention(p, h, layer_kv, windows[j])
+                p = jax.tree.map(lambda a, j=j: member(a, j), layer_params)
+                layer_kv = None if kv is None else (member(kv[0], j), member(kv[1], j))
+                h, nkv = attention(p, h, layer_kv, member(windows, j))
                 new_kv.append(nkv)
                 y = rms_norm(h, p["post_norm"], c.rms_norm_eps)
                 if kind == MOE_MLP:
-                    out, load = moe_block(y, jax.tree.map(lambda a, im=im: a[im], moe_params), c)
+                    out, load = moe_block(y, jax.tree.map(lambda a, im=im: member(a, im), moe_params), c)
                     loads.append(load)
                     im += 1
                 else:
                     out = dense_mlp(
-                        y, p if not c.is_moe else jax.tree.map(lambda a, i=idn: a[i], dense_params)
+                        y, p if not c.is_moe else jax.tree.map(lambda a, i=idn: member(a, i), dense_params)
                     )
                     idn += 1
                 h = constrain(h + out, ("batch", "length", "act_embed"))
-                feats = jax.lax.dynamic_update_index_in_dim(feats, h, slots[j], axis=0)
+                feats = jax.lax.dynamic_update_index_in_dim(feats, h, member(slots, j), axis=0)
             stack = lambda items: (
-                None if not items or items[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *items)
+                None
+                if not items or items[0] is None
+                else items[0]
+                if P == 1
+                else jax.tree.map(lambda *a: jnp.stack(a), *items)
             )
             return (h, feats), (stack(new_kv), stack(loads))
 
-        moe_xs = per_period(self.moe.stacked(), G, n_moe) if n_moe else None
-        dense_xs = per_period(self.mlp.stacked(), G, n_dense) if c.is_moe and n_dense else None
+        moe_xs = split(self.moe.stacked(), n_moe) if n_moe else None
+        dense_xs = split(self.mlp.stacked(), n_dense) if c.is_moe and n_dense else None
         xs = (
-            per_period(self.layers.stacked(), G, P),
+            split(self.layers.stacked(), P),
             moe_xs,
             dense_xs,
-            taps.slots(L).reshape(G, P),
-            None if cache is None else per_period((cache.k, cache.v), G, P),
-            jnp.asarray(c.attention_windows, jnp.int32).reshape(G, P),
+            split(taps.slots(L), P),
+            None if cache is None else split((cache.k, cache.v), P),
+            split(jnp.asarray(c.attention_windows, jnp.int32), P),
         )
         (h, feats), (new_kv, loads) = jax.lax.scan(period, (x, feats0), xs)
 
         hidden = rms_norm(h, self.norm[...], c.rms_norm_eps)
         new_cache = None
         if cache is not None:
-            flat = lambda a: a.reshape(L, *a.shape[2:])
-            new_cache = KVCache(flat(new_kv[0]), flat(new_kv[1]), cache.lengths + T)
+            flat = lambda a: a if P == 1 else a.reshape(L, *a.shape[2:])
+            new_cache = KVCache(
+                write_cache_rows(cache.k, flat(new_kv[0]), cache.lengths),
+                write_cache_rows(cache.v, flat(new_kv[1]), cache.lengths),
+                cache.lengths + T,
+            )
         out = self._output(hidden, taps.features(feats), new_cache, return_logits)
         if loads is not None:
             out.expert_load = loads.reshape(-1, c.num_experts)
