@@ -382,4 +382,5 @@ def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
     )
     assert key("data.max_records=100") != base
     assert key("regen.max_new_tokens=64") != base
+    assert key("regen.answers=target") != base  # the demo keeps the data's replies
     assert key("data.heldout_count=8") != base

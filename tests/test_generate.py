@@ -16,7 +16,7 @@ from hf_fixtures import make_hf_model, prompt_ids
 import dflash_jax
 from dflash_jax.data.pipeline import DataConfig, make_train_iterator
 from dflash_jax.decoding.generate import _generate_batch, generate
-from dflash_jax.decoding.regeneration import regenerate_records
+from dflash_jax.decoding.regeneration import dataset_replies, regenerate_records
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.regenerate import main as regenerate_main
 
@@ -107,6 +107,56 @@ def test_regeneration_matches_transformers_on_smollm2(smollm2, tmp_path):
             "role": "assistant",
             "content": tok.decode(ref, skip_special_tokens=True),
         }
+
+
+def test_dataset_replies_keep_the_first_reply_of_the_prompts_regeneration_would_answer(qwen):
+    """regen.answers=dataset: the prompts regenerate_records answers (same filters), each with the
+    record's own first reply; nothing is generated."""
+
+    def msg(role, text):
+        return {"role": role, "content": text}
+
+    records = [
+        {
+            "id": "a",
+            "messages": [
+                msg("user", "Hi?"),
+                msg("assistant", "first"),
+                msg("user", "And?"),
+                msg("assistant", "second"),
+            ],
+        },
+        {
+            "id": "b",
+            "messages": [msg("system", "Be brief."), msg("user", "Colours?"), msg("assistant", "Red.")],
+        },
+        {"id": "c", "messages": [msg("assistant", "no user turn")]},
+        {"id": "d", "messages": [msg("user", "No reply yet.")]},
+        {"id": "e", "messages": [msg("user", "word " * 300), msg("assistant", "too long a prompt")]},
+        {"id": "f", "messages": [msg("user", "Blank?"), msg("assistant", "  ")]},
+    ]
+    out, report = dataset_replies(qwen, records, max_prompt_tokens=64)
+    assert out == [
+        {"id": "a", "messages": [msg("user", "Hi?"), msg("assistant", "first")]},
+        {
+            "id": "b",
+            "messages": [msg("system", "Be brief."), msg("user", "Colours?"), msg("assistant", "Red.")],
+        },
+    ]
+    assert (
+        report.prompts_seen,
+        report.written,
+        report.skipped_no_user,
+        report.skipped_long,
+        report.empty,
+    ) == (
+        6,
+        2,
+        1,
+        1,
+        2,
+    )
+    assert report.summary().startswith("kept the data's own reply for 2 responses from 6 prompts")
 
 
 def test_regenerate_cli_writes_data_the_pipeline_reads(smollm2, tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import codecs
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -607,8 +606,11 @@ class RecordSource:
             self._fds.clear()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        # no module globals here: at interpreter exit they may already be None
+        try:
             self.close()
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------- chat JSONL I/O

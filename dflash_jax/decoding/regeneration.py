@@ -3,7 +3,9 @@
 DFlash drafters learn to predict the *target's* continuations, so training data is remade by
 answering each prompt with the target (greedy or sampled), KV-cached and batched in JAX
 (``decoding.generate``). Used by ``python -m dflash_jax.regenerate`` and the training run's
-regeneration cache (``training.regen_cache``).
+regeneration cache (``training.regen_cache``). :func:`dataset_replies` picks the same prompts and
+keeps the data's own first reply instead (no generation): the labels are still the target's argmax
+over that text, and a forward pass over it costs far less than decoding it.
 """
 
 from __future__ import annotations
@@ -27,13 +29,32 @@ class RegenReport:
     skipped_no_user: int = 0
     stopped_at_eos: int = 0
     empty: int = 0
+    answered_by: str = "target"  # "dataset": the data's own replies were kept, nothing generated
 
     def summary(self) -> str:
+        what = "regenerated" if self.answered_by == "target" else "kept the data's own reply for"
         return (
-            f"regenerated {self.written} responses from {self.prompts_seen} prompts "
+            f"{what} {self.written} responses from {self.prompts_seen} prompts "
             f"({self.stopped_at_eos} ended with EOS; skipped: {self.skipped_long} prompts over the length "
             f"limit, {self.skipped_no_user} without a user turn, {self.empty} empty answers)"
         )
+
+
+def _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, report):
+    """-> [(record, prompt messages, prompt ids)] of the records with a user turn whose prompt fits."""
+    kept = []
+    for rec in records:
+        report.prompts_seen += 1
+        msgs = sources.prompt_messages(rec["messages"])
+        if not any(m["role"] == "user" for m in msgs):
+            report.skipped_no_user += 1
+            continue
+        ids = encode_prompt(tokenizer, msgs, enable_thinking)
+        if len(ids) > max_prompt_tokens:
+            report.skipped_long += 1
+            continue
+        kept.append((rec, msgs, ids))
+    return kept
 
 
 def regenerate_records(
@@ -52,19 +73,8 @@ def regenerate_records(
     """records: normalised ``{"id", "messages"}``; each is cut before its first assistant turn and
     answered by the target. Returns the new records (prompt + one assistant turn) and a report."""
     report = RegenReport()
-    prompts, kept = [], []
-    for rec in records:
-        report.prompts_seen += 1
-        msgs = sources.prompt_messages(rec["messages"])
-        if not any(m["role"] == "user" for m in msgs):
-            report.skipped_no_user += 1
-            continue
-        ids = encode_prompt(tokenizer, msgs, enable_thinking)
-        if len(ids) > max_prompt_tokens:
-            report.skipped_long += 1
-            continue
-        prompts.append(ids)
-        kept.append((rec, msgs))
+    kept = _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, report)
+    prompts = [ids for _, _, ids in kept]
     eos = stop_token_ids(target.config, tokenizer)
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not show_progress)
     outs = generate(
@@ -79,7 +89,7 @@ def regenerate_records(
     )
     bar.close()
     result = []
-    for (rec, msgs), toks in zip(kept, outs, strict=True):
+    for (rec, msgs, _), toks in zip(kept, outs, strict=True):
         if toks and toks[-1] in eos:
             report.stopped_at_eos += 1
             toks = toks[:-1]
@@ -88,6 +98,30 @@ def regenerate_records(
             report.empty += 1
             continue
         result.append({"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": text}]})
+    report.written = len(result)
+    return result, report
+
+
+def dataset_replies(
+    tokenizer,
+    records: Sequence[dict],
+    *,
+    max_prompt_tokens: int = 512,
+    enable_thinking: bool | None = None,
+) -> tuple[list[dict], RegenReport]:
+    """The prompts :func:`regenerate_records` would answer (same filters), each with the first
+    assistant reply the record already has; a record without one (or with an empty one) counts as an
+    empty answer. Returns (prompt + that reply) records and a report."""
+    report = RegenReport(answered_by="dataset")
+    result = []
+    for rec, msgs, _ in _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, report):
+        rest = rec["messages"][len(msgs) :]
+        if not rest or not rest[0]["content"].strip():
+            report.empty += 1
+            continue
+        result.append(
+            {"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": rest[0]["content"]}]}
+        )
     report.written = len(result)
     return result, report
 

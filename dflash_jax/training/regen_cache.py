@@ -1,7 +1,9 @@
 """The regeneration cache: train and held-out chat JSONL whose replies are the target's own.
 
 DFlash drafters learn the target's distribution, so the demo answers its prompts with the target
-itself. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by what
+itself. With ``regen.answers: dataset`` the training prompts keep the data's own first reply
+(nothing is generated for them; the labels are still the target's argmax over that text) and only
+the held-out prompts are answered by the target. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by what
 changes the answers: the target, the tokenizer and its template, the prompts chosen
 (``PROMPT_FIELDS`` of the data section), the generation settings and the held-out prompt count.
 """
@@ -60,7 +62,7 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
     from dflash_jax.data import sources
     from dflash_jax.data.pipeline import load_heldout_prompts, split_records
-    from dflash_jax.decoding.regeneration import regenerate_records
+    from dflash_jax.decoding.regeneration import dataset_replies, regenerate_records
     from dflash_jax.decoding.sampling import SamplingConfig
 
     r = cfg.regen
@@ -87,9 +89,17 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
     held, rep_h = regenerate_records(
         target, tokenizer, held_records, max_prompt_tokens=cfg.eval.max_prompt_tokens, **common
     )
-    train, rep_t = regenerate_records(
-        target, tokenizer, train_records, max_prompt_tokens=r.max_prompt_tokens, **common
-    )
+    if r.answers == "dataset":
+        train, rep_t = dataset_replies(
+            tokenizer,
+            train_records,
+            max_prompt_tokens=r.max_prompt_tokens,
+            enable_thinking=cfg.data.enable_thinking,
+        )
+    else:
+        train, rep_t = regenerate_records(
+            target, tokenizer, train_records, max_prompt_tokens=r.max_prompt_tokens, **common
+        )
     log.info("held-out: %s", rep_h.summary())
     log.info("train: %s", rep_t.summary())
     sources.write_chat_jsonl(held_path, held)
