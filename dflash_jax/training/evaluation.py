@@ -120,16 +120,18 @@ class HeldoutReports:
         rep = measure_tau(cfg, self.parts.target, self.drafter, self.parts.tokenizer, prompts)
         self.result[f"tau_{when}"], self.result[f"eval_{when}"] = rep["tau"], rep
         (self.run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
-        slots = " ".join("-" if a is None else f"{a:.2f}" for a in rep["per_slot_acceptance"][:8])
+        shown = rep["per_slot_acceptance"][:8]
+        slots = " ".join("-" if a is None else f"{a:.2f}" for a in shown)
         log.info(
             "held-out tau %s training: %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
-            "acceptance of draft slots 1..8: %s",
+            "acceptance of draft slots 1..%d: %s",
             when,
             rep["tau"],
             rep["tau_stderr"] or 0.0,
             rep["num_prompts"],
             cfg.eval.max_new_tokens,
             rep["verify_steps"],
+            len(shown),
             slots,
         )
 
