@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -143,18 +144,14 @@ def test_dataset_replies_keep_the_first_reply_of_the_prompts_regeneration_would_
             "messages": [msg("system", "Be brief."), msg("user", "Colours?"), msg("assistant", "Red.")],
         },
     ]
-    assert (
-        report.prompts_seen,
-        report.written,
-        report.skipped_no_user,
-        report.skipped_long,
-        report.empty,
-    ) == (
-        6,
-        2,
-        1,
-        1,
-        2,
+    assert dataclasses.asdict(report) == dict(
+        prompts_seen=6,
+        written=2,
+        skipped_long=1,
+        skipped_no_user=1,
+        stopped_at_eos=0,
+        empty=2,
+        answered_by="dataset",
     )
     assert report.summary().startswith("kept the data's own reply for 2 responses from 6 prompts")
 

@@ -1,11 +1,12 @@
 """The regeneration cache: train and held-out chat JSONL whose replies are the target's own.
 
-DFlash drafters learn the target's distribution, so the demo answers its prompts with the target
-itself. With ``regen.answers: dataset`` the training prompts keep the data's own first reply
-(nothing is generated for them; the labels are still the target's argmax over that text) and only
-the held-out prompts are answered by the target. The result is cached under ``assets.cache_root()/regenerated/<digest>``, keyed by what
-changes the answers: the target, the tokenizer and its template, the prompts chosen
-(``PROMPT_FIELDS`` of the data section), the generation settings and the held-out prompt count.
+DFlash drafters learn the target's distribution, so prompts are answered by the target itself.
+With ``regen.answers: dataset`` the training prompts keep the data's own first reply (nothing is
+generated for them; the labels are still the target's argmax over that text) and only the held-out
+prompts are answered by the target. The result is cached under
+``assets.cache_root()/regenerated/<digest>``, keyed by what changes the answers: the target, the
+tokenizer and its template, the prompts chosen (``PROMPT_FIELDS`` of the data section), the
+generation settings (``regen.answers`` included) and the held-out prompt count.
 """
 
 from __future__ import annotations
