@@ -89,6 +89,21 @@ def test_labels_are_the_targets_own_next_token_logits(tiny, kind):
     assert checked >= 12 * (B - 1)
 
 
+@pytest.mark.parametrize("target_dtype, want", [(jnp.float32, 1), (jnp.bfloat16, 0)])
+def test_labels_come_from_the_targets_own_dtype_not_the_drafters(target_dtype, want):
+    """Invariant 2 with a bf16 drafter: the ce label is the argmax of the target's logits as the
+    target computes them. Logits 1 and 1 + 2^-10 are a tie once rounded to bf16 (argmax 0), but an
+    fp32 target's own output picks id 1."""
+    cfg = TrainSection(max_anchors=1, loss="ce", compute_dtype="bfloat16")
+    hidden = jnp.tile(jnp.array([1.0, 0.0], jnp.float32), (1, 4, 1))  # [R=1, T=4, D=2]
+    lm_head = jnp.array([[1.0, 1.0 + 2.0**-10, 0.0], [0.0, 0.0, 1.0]], jnp.float32).astype(target_dtype)
+    ones = jnp.ones((1, 4), jnp.int32)
+    _, extra = block_loss(
+        jnp.zeros((1, 1, 2, 2)), hidden, jnp.array([[1]]), jnp.array([[True]]), ones, ones, lm_head, cfg
+    )
+    assert int(extra["labels"][0, 0, 0]) == want
+
+
 def test_anchors_are_reply_positions_whose_next_token_is_trained():
     """Invariant 5: an anchor p has loss_mask[p] and loss_mask[p+1] in the same document; a block
     need not fit in the document (its slots past the reply simply do not train)."""

@@ -66,7 +66,7 @@ def label_counts_from_cache(cache, vocab_size: int, lm_head=None, *, chunk: int 
     return counts
 
 
-def label_counts_online(target, data_cfg, tokenizer, mesh, *, compute_dtype: str, chunk: int, quiet=False):
+def label_counts_online(target, data_cfg, tokenizer, mesh, *, chunk: int, quiet=False):
     """Label counts over one epoch of ``data_cfg``'s packed rows from a frozen target pass (one
     process: a multi-process run counts from its feature cache)."""
     import jax
@@ -75,11 +75,8 @@ def label_counts_online(target, data_cfg, tokenizer, mesh, *, compute_dtype: str
 
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import ShardedBatchIterator, resolve_num_shards
-    from dflash_jax.dtypes import to_dtype
     from dflash_jax.sharding import BATCH_AXES, logical_sharding
     from dflash_jax.training.loss import target_argmax
-
-    dtype = to_dtype(compute_dtype)
 
     @nnx.jit
     def labels_of(target, batch):
@@ -90,7 +87,7 @@ def label_counts_online(target, data_cfg, tokenizer, mesh, *, compute_dtype: str
             layer_ids=(),
             return_logits=False,
         )
-        return target_argmax(out.hidden, target.lm_head_weight(), chunk=chunk, compute_dtype=dtype)
+        return target_argmax(out.hidden, target.lm_head_weight(), chunk=chunk)
 
     one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
     rows = ShardedBatchIterator(
@@ -150,7 +147,6 @@ def choose_for_run(
             data_cfg,
             tokenizer,
             mesh,
-            compute_dtype=cfg.train.compute_dtype,
             chunk=cfg.train.loss_chunk,
             quiet=quiet,
         )

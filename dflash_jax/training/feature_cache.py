@@ -447,14 +447,13 @@ def write_cache(
     one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
     rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(cfg.data.shards, 1))
     kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
-    label_dtype = to_dtype(cfg.train.compute_dtype)
 
     @nnx.jit
     def target_outputs(target, batch):
         features, hidden = target_pass(target, batch, taps)
         # The same argmax the step takes online (training/step.py block_loss); kl caches keep
         # it only as counts, for a draft vocabulary.
-        labels = target_argmax(hidden, target.lm_head_weight(), chunk=loss_chunk, compute_dtype=label_dtype)
+        labels = target_argmax(hidden, target.lm_head_weight(), chunk=loss_chunk)
         if kind == "ce":
             return {"features": features, "labels": labels}
         return {"features": features, "hidden": hidden, "count_labels": labels}

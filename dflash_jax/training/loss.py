@@ -238,8 +238,12 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     return x[0]
 
 
-def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, compute_dtype=jnp.float32):
-    """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked."""
+def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, compute_dtype=None):
+    """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked; in the
+    target's own dtype (``lm_head``'s) unless told: the labels are the target's real output
+    (invariant 2), which a drafter computing in bf16 would flip at near ties (0.5 % of the demo's
+    labels with an fp32 target)."""
+    compute_dtype = lm_head.dtype if compute_dtype is None else compute_dtype
     lead, D = hidden.shape[:-1], hidden.shape[-1]
     flat = jax.lax.stop_gradient(hidden).reshape(-1, D)
     N = flat.shape[0]

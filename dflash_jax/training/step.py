@@ -131,7 +131,7 @@ def block_loss(
         # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
         per_position = position_labels
         if per_position is None:
-            per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk, compute_dtype=dtype)  # [R,T]
+            per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk)  # [R,T]
         slot_labels = gather_positions(per_position, label_pos).reshape(-1)
         target_labels = slot_labels
         target_h = None
