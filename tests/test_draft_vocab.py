@@ -384,3 +384,34 @@ def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
     assert key("regen.max_new_tokens=64") != base
     assert key("regen.answers=target") != base  # the demo keeps the data's replies
     assert key("data.heldout_count=8") != base
+
+
+def test_regenerated_files_without_held_out_answers_give_a_run_without_held_out_loss(tmp_path, caplog):
+    """No held-out prompt answered: the run goes on without a held-out loss and says why; no
+    training answer: an error naming the regeneration settings, not "no training records"."""
+    from dflash_jax.data.sources import BadDataError, write_chat_jsonl
+    from dflash_jax.training.regen_cache import data_configs
+    from dflash_jax.training.run_config import load_run_config
+
+    cfg = load_run_config("demo", [])
+    record = {
+        "id": "r0",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    }
+    train, held, empty = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl", tmp_path / "empty.jsonl"
+    write_chat_jsonl(train, [record])
+    write_chat_jsonl(held, [record])
+    write_chat_jsonl(empty, [])
+
+    data_cfg, held_cfg = data_configs(cfg, train, held)
+    assert data_cfg.sources == (str(train),) and held_cfg.sources == (str(held),)
+    with caplog.at_level("WARNING"):
+        data_cfg, held_cfg = data_configs(cfg, train, empty)
+    assert data_cfg.sources == (str(train),) and held_cfg is None
+    assert f"eval.num_prompts={cfg.eval.num_prompts} " in caplog.text and "no held-out loss" in caplog.text
+    r = cfg.regen
+    with pytest.raises(
+        BadDataError,
+        match=rf"regen.num_prompts={r.num_prompts} .*regen.max_prompt_tokens={r.max_prompt_tokens} ",
+    ):
+        data_configs(cfg, empty, held)

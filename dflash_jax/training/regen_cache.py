@@ -109,10 +109,30 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
 
 
 def data_configs(cfg: RunConfig, train_path: Path, held_path: Path):
-    """-> (training DataConfig, held-out DataConfig) reading the regenerated files."""
+    """-> (training DataConfig, held-out DataConfig) reading the regenerated files; the held-out one
+    is None when no held-out prompt was answered (the run then has no held-out loss, says so, and
+    still measures tau on its prompts)."""
+    from dflash_jax.data.sources import BadDataError
+
+    if train_path.stat().st_size == 0:
+        raise BadDataError(
+            f"{train_path}: no training prompt of the first regen.num_prompts={cfg.regen.num_prompts} "
+            f"records was kept (each needs a user turn, a prompt of at most "
+            f"regen.max_prompt_tokens={cfg.regen.max_prompt_tokens} tokens and a non-empty reply)"
+        )
     data_cfg = dataclasses.replace(
         cfg.data, sources=(str(train_path),), heldout_fraction=0.0, heldout_count=None, max_records=None
     )
+    if held_path.stat().st_size == 0:
+        if cfg.eval.num_prompts == 0:
+            return data_cfg, None
+        log.warning(
+            "held-out: none of the eval.num_prompts=%d held-out prompts was answered (each needs a user "
+            "turn and at most eval.max_prompt_tokens=%d tokens): no held-out loss in this run",
+            cfg.eval.num_prompts,
+            cfg.eval.max_prompt_tokens,
+        )
+        return data_cfg, None
     heldout_cfg = dataclasses.replace(
         data_cfg, sources=(str(held_path),), batch_size=min(4, cfg.data.batch_size)
     )
