@@ -113,6 +113,17 @@ def test_cache_for_another_run_is_refused(cache, tmp_path, override, field):
     assert repr(cached) in str(e.value)
 
 
+def test_ce_labels_identity_follows_the_target_not_the_drafters_dtype():
+    """ce labels are the target's argmax in its own dtype: a bf16 drafter reuses an fp32 drafter's
+    cache, and caches of the older compute-dtype labels ({"compute_dtype": ...}) do not match."""
+    from dflash_jax.training.feature_cache import labels_identity
+    from dflash_jax.training.run_config import TrainSection
+
+    fp32, bf16 = TrainSection(compute_dtype="float32"), TrainSection(compute_dtype="bfloat16")
+    assert labels_identity(fp32) == labels_identity(bf16) == {"loss": "ce", "argmax_dtype": "target"}
+    assert labels_identity(TrainSection(loss="kl")) == {"loss": "kl"}
+
+
 def _write(tmp_path, rows=12, batch=4, rows_per_shard=8):
     """A small cache written through CacheWriter (two shards), and the rows it holds."""
     rng = np.random.default_rng(0)

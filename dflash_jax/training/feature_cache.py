@@ -125,9 +125,11 @@ def data_fingerprint(data_cfg) -> dict:
 
 
 def labels_identity(train_cfg) -> dict:
-    """What the label arrays are: ``ce`` argmax labels depend on the precision of the target logits."""
+    """What the label arrays are: ``ce`` labels are the target's argmax in its own dtype (part of the
+    target's fingerprint), whatever the drafter computes in; ``argmax_dtype`` tells them from the
+    caches of earlier versions, which took it in ``train.compute_dtype``."""
     if train_cfg.loss == "ce":
-        return {"loss": "ce", "compute_dtype": train_cfg.compute_dtype}
+        return {"loss": "ce", "argmax_dtype": "target"}
     return {"loss": train_cfg.loss}
 
 
