@@ -238,18 +238,17 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     return x[0]
 
 
-def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024, compute_dtype=None):
-    """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked; in the
-    target's own dtype (``lm_head``'s) unless told: the labels are the target's real output
-    (invariant 2), which a drafter computing in bf16 would flip at near ties (0.5 % of the demo's
-    labels with an fp32 target)."""
-    compute_dtype = lm_head.dtype if compute_dtype is None else compute_dtype
+def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024):
+    """[..., D] final normed target hidden -> [...] argmax of the target's logits, chunked; always in
+    the target's own dtype (``lm_head``'s): the labels are the target's real output (invariant 2),
+    which a drafter computing in bf16 would flip at near ties (0.5 % of the demo's labels with an
+    fp32 target)."""
     lead, D = hidden.shape[:-1], hidden.shape[-1]
     flat = jax.lax.stop_gradient(hidden).reshape(-1, D)
     N = flat.shape[0]
     n_chunks, chunk = even_chunks(N, chunk)
     flat = jnp.pad(flat, ((0, n_chunks * chunk - N), (0, 0))).reshape(n_chunks, chunk, D)
-    logits = lm_head_logits(lm_head, compute_dtype)
+    logits = lm_head_logits(lm_head, lm_head.dtype)
 
     def one(h):
         return jnp.argmax(logits(h), axis=-1).astype(jnp.int32)
