@@ -160,6 +160,22 @@ def test_kv_cache_decode_matches_full_forward(tmp_path):
     np.testing.assert_allclose(feats, np.asarray(full.features), atol=1e-4, rtol=0)
 
 
+def test_forward_past_the_cache_capacity_keeps_its_in_capacity_positions_exact(tmp_path):
+    """A verify step that runs past the buffer (the end of a long generation) drops what does not
+    fit; the positions that do fit attend to the right keys (nothing written back over the prompt)."""
+    hf_model = make_hf_model("llama3", seed=6)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    target = dflash_jax.load_target(tmp_path)
+    ids = prompt_ids(270, 512, seed=7, batch=2)
+    full = run_target(target, ids, layer_ids=(1,))
+    step = nnx.jit(lambda m, x, c: m(x, cache=c, layer_ids=(1,)))
+    o1 = step(target, jnp.asarray(ids[:, :250], jnp.int32), target.init_cache(batch=2, capacity=260))
+    o2 = step(target, jnp.asarray(ids[:, 250:], jnp.int32), o1.cache)  # 20 tokens, 10 fit
+    np.testing.assert_allclose(
+        np.asarray(o2.logits[:, :10]), np.asarray(full.logits[:, 250:260]), atol=1e-4, rtol=0
+    )
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 

@@ -163,15 +163,6 @@ def _attend(q, k, v, mask, scale):
     return out.reshape(B, T, N, H)
 
 
-def _write_rows(buf, new, starts):
-    """buf [B,S,...], new [B,T,...], write new[b] at buf[b, starts[b]:starts[b]+T]."""
-
-    def one(b, n, s):
-        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
-
-    return jax.vmap(one)(buf, new, starts)
-
-
 def cached_kv(kv, k, v, lengths):
     """This forward's k, v [B,T,K,H] placed into one layer's cache buffers ``kv`` = (k_buf, v_buf)
     [B,S,K,H] at each row's length -> (keys, values over the whole buffer, (k, v) in the cache's
@@ -181,8 +172,9 @@ def cached_kv(kv, k, v, lengths):
     if kv is None:
         return k, v, None
     k_new, v_new = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
-    k_all = _write_rows(kv[0], k_new, lengths)
-    v_all = _write_rows(kv[1], v_new, lengths)
+    # the same writer as the cache's own (positions past the buffer dropped, never shifted back)
+    k_all = write_cache_rows(kv[0][None], k_new[None], lengths)[0]
+    v_all = write_cache_rows(kv[1][None], v_new[None], lengths)[0]
     return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_new, v_new)
 
 
