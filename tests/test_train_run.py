@@ -72,6 +72,14 @@ def test_bad_config_is_named(tmp_path, capsys):
     assert "drafter.bogus" in capsys.readouterr().err
 
 
+def test_run_minutes_spent_before_training_stops_the_run_naming_the_budget(tmp_path):
+    """The budget is applied after the evaluation before training (which times the final one)."""
+    cfg = tiny(tmp_path, "train.steps=2", "eval.num_prompts=1", "train.run_minutes=0.001")
+    with pytest.raises(ConfigError, match=r"train.run_minutes=0.001: .* leave no time to train"):
+        run(cfg, quiet=True)
+    assert (tmp_path / "eval_before.json").is_file()
+
+
 @pytest.mark.slow
 def test_tiny_streak_rises(tmp_path):
     """Measured (seed 0): streak 1.00 at the start, ~1.19 after 200 steps; threshold 1.08."""

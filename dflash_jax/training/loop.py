@@ -157,6 +157,24 @@ def steps_that_fit(step: int, elapsed_s: float, step_time_s: float, limit_s: flo
     return step + max(0, int((limit_s - elapsed_s) / max(step_time_s, 1e-9)))
 
 
+def training_minutes_in_budget(
+    run_minutes: float,
+    elapsed_s: float,
+    final_eval_s: float,
+    curve_eval_s: float = 0.0,
+    curve_every_minutes: float | None = None,
+    margin_s: float = 30.0,
+) -> float:
+    """The training minutes that end a run within ``run_minutes`` of its start, ``elapsed_s`` in:
+    what is left after the final evaluation (``final_eval_s``) and a margin (the last checkpoint,
+    the plot), shared with the curve evaluations (``curve_eval_s`` each, one every
+    ``curve_every_minutes`` of training; their time is not training time); <= 0 when nothing is left."""
+    left = 60 * run_minutes - elapsed_s - final_eval_s - margin_s
+    if curve_every_minutes:
+        left /= 1 + curve_eval_s / (60 * curve_every_minutes)
+    return left / 60
+
+
 def _follow_time_limit(
     bar, train: TrainSection, step: int, start_step: int, t_train: float, compiled_at, now
 ):

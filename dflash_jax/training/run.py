@@ -125,13 +125,15 @@ def run(
         run_dir=run_dir,
     )
     with jax.set_mesh(mesh):
+        t_eval = time.perf_counter()
         if start_step == 0 and cfg.eval.before_training:
             heldout.tau("before")
         if start_step == 0:
             heldout.streak(0, "before")
+        eval_s = time.perf_counter() - t_eval
         try:
             done = train_loop(
-                cfg.train,
+                _within_run_budget(cfg, t_start, eval_s, start_step, len(parts.eval_prompts)),
                 train_step=train_step,
                 drafter=drafter,
                 optimizer=optimizer,
@@ -232,6 +234,55 @@ def _open_checkpoints(cfg: RunConfig, run_dir: Path, drafter, optimizer, mesh, r
     meta = ckpt.restore(drafter, optimizer, step=resume_step, mesh=mesh)
     log.info("resumed from step %d", int(meta["step"]))
     return ckpt, int(meta["step"]), meta.get("data_state")
+
+
+# What a resumed run sets aside for its final evaluation: the one before training that timed it ran
+# in the first invocation
+RESUMED_FINAL_EVAL_S = 120.0
+
+
+def _within_run_budget(cfg: RunConfig, t_start: float, eval_s: float, start_step: int, num_prompts: int):
+    """``cfg.train`` with ``train.run_minutes`` turned into a training time limit: the final
+    evaluation takes about what the one before training took (``eval_s``; an untrained drafter
+    accepts less, so that errs long), a curve point the same per prompt and token."""
+    from dflash_jax.training.loop import training_minutes_in_budget
+
+    train, ev = cfg.train, cfg.eval
+    if train.run_minutes is None:
+        return train
+    elapsed = time.perf_counter() - t_start
+    if start_step:
+        eval_s = RESUMED_FINAL_EVAL_S if num_prompts else 0.0
+        log.warning(
+            "train.run_minutes on a resume: counted from this invocation's start, %.0f s set aside for "
+            "the final evaluation",
+            eval_s,
+        )
+    per_curve = 0.0
+    if num_prompts and ev.curve_every_minutes:
+        share = min(ev.curve_prompts, num_prompts) / num_prompts
+        per_curve = eval_s * share * ev.curve_max_new_tokens / ev.max_new_tokens
+    minutes = training_minutes_in_budget(
+        train.run_minutes, elapsed, eval_s, per_curve, ev.curve_every_minutes
+    )
+    if minutes <= 0:
+        raise ConfigError(
+            f"train.run_minutes={train.run_minutes:g}: {elapsed / 60:.1f} minutes spent before training and "
+            f"{eval_s / 60:.1f} set aside for the final evaluation leave no time to train; raise "
+            "train.run_minutes (a second run reuses the prepared target, data and features)"
+        )
+    if train.time_limit_minutes is not None:
+        minutes = min(minutes, train.time_limit_minutes)
+    log.info(
+        "train.run_minutes=%g: %.1f min spent, %.1f min of training (the final evaluation ~%.0f s, "
+        "curve points ~%.0f s each)",
+        train.run_minutes,
+        elapsed / 60,
+        minutes,
+        eval_s,
+        per_curve,
+    )
+    return dataclasses.replace(train, time_limit_minutes=minutes)
 
 
 def _summary(done) -> dict:

@@ -136,6 +136,10 @@ class TrainSection:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     time_limit_minutes: float | None = None  # stop (and checkpoint) after this much training time
+    # The whole run (target, data, features, evaluations, training) ends within this many minutes of
+    # its start: training gets what is left once the final evaluation (timed by the one before
+    # training) and the curve evaluations are set aside; with time_limit_minutes, the smaller wins
+    run_minutes: float | None = None
     max_nonfinite_steps: int = 3  # stop after this many skipped steps in a row (non-finite or blown up)
     # A step whose update's norm exceeds this many times the parameters' norm is skipped as blown up
     # (a sane step moves the parameters by a small fraction of their norm)
@@ -159,6 +163,10 @@ class TrainSection:
             raise ValueError(f"train.max_update_ratio must be > 0, got {self.max_update_ratio}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
+        for name in ("time_limit_minutes", "run_minutes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"train.{name} must be > 0 or null, got {value!r}")
         for name in (
             "log_every",
             "checkpoint_every",
@@ -238,6 +246,11 @@ class RunConfig:
             raise ValueError(
                 f"train.max_anchors={A} is more than a row of data.max_length={T} tokens can hold "
                 f"(at most {T - 1}: an anchor needs a next token); lower train.max_anchors"
+            )
+        if self.train.run_minutes is not None and self.eval.num_prompts and not self.eval.before_training:
+            raise ValueError(
+                "train.run_minutes needs eval.before_training=true: the evaluation before training is what "
+                "times the one after it, which the budget sets aside (or set eval.num_prompts=0)"
             )
 
     def to_dict(self) -> dict:

@@ -49,6 +49,7 @@ SAFE_ON_RESUME = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.time_limit_minutes",
+    "train.run_minutes",
     "train.max_nonfinite_steps",
     "train.max_update_ratio",
     "eval.*",
