@@ -59,7 +59,9 @@ def build(
         log.info("data.features=%s is ignored while building a cache", cfg.data.features)
     setup.check_data_sources(cfg)
     # Built online, whatever data.features says: the shards' layout applies.
-    online = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
+    online = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, features=None, features_minutes=None)
+    )
     setup.check_layout(online, jax.device_count(), 1)
     mesh = make_mesh(cfg.mesh)
     # The same parts the trainer resolves (a tiny target is made under output_dir, as by train).

@@ -205,6 +205,31 @@ def test_26_10_flipped_bits_in_a_shard_are_named(tmp_path):
         cache.read_rows(np.array([9]))
 
 
+def test_features_minutes_caps_the_build_and_names_its_rows(cache, tmp_path):
+    """data.features_minutes: the build stops at the first batch past its budget (here: right after
+    the first batch), the manifest says the epoch is incomplete, the cap is part of the cache's
+    identity (an uncapped run refuses it), and a run trains from those rows; an uncapped cache's
+    identity has no such field (caches built before it existed still match)."""
+    _, full = cache
+    assert "features_minutes" not in full["identity"]["data"] and full["complete_epoch"] is True
+    capped = ["data.features=auto", "data.features_minutes=1e-6"]
+    manifest = build(tiny(tmp_path / "build", *capped), tmp_path / "capped", quiet=True)
+    assert manifest["rows"] == 8 and manifest["complete_epoch"] is False  # one batch of 8 of 3
+    assert manifest["identity"]["data"]["features_minutes"] == 1e-6
+    path = tmp_path / "capped"
+    with pytest.raises(FeatureCacheError, match=r"data.features_minutes: cache has 1e-06, this run has '<absent>'"):
+        run(tiny(tmp_path / "uncapped", f"data.features={path}"), quiet=True)
+    done = run(tiny(tmp_path / "run", f"data.features={path}", "data.features_minutes=1e-6"), quiet=True)
+    assert done["step"] == 1  # one epoch of one batch (data.num_epochs=1)
+
+
+def test_features_minutes_is_validated():
+    with pytest.raises(ValueError, match="features_minutes must be > 0"):
+        load_run_config("tiny", ["data.features=auto", "data.features_minutes=0"])
+    with pytest.raises(ValueError, match="data.features_minutes caps the build .* set data.features: auto"):
+        load_run_config("tiny", ["data.features_minutes=5"])
+
+
 def test_features_field_is_validated():
     with pytest.raises(ValueError, match="features"):
         load_run_config("tiny", ["data.features="])

@@ -77,6 +77,11 @@ class DataConfig:
     features:       a feature cache dir (``python -m dflash_jax.features``): train on its stored target
                     features and labels instead of running the target; it must match this run
                     (training/feature_cache.py), and the fields above then only describe the rows it holds
+    features_minutes: a cache built for the run (``features: auto``, or ``python -m
+                    dflash_jax.features``) stops after this many minutes of target forwards and the
+                    run trains on the rows built by then (the records are
+                    shuffled, so a random subset of the epoch): a slower machine trains on fewer rows
+                    for more epochs instead of spending its budget on features. None: the whole epoch
     """
 
     sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple
@@ -102,6 +107,7 @@ class DataConfig:
     prefetch: int = 2
     shards: int | None = None
     features: str | None = None
+    features_minutes: float | None = None
 
     def __post_init__(self):
         srcs = self.sources
@@ -140,6 +146,10 @@ class DataConfig:
             )
         if self.max_wait_s is not None and self.max_wait_s <= 0:
             raise ValueError(f"DataConfig.max_wait_s must be > 0 seconds or null, got {self.max_wait_s!r}")
+        if self.features_minutes is not None and not self.features_minutes > 0:
+            raise ValueError(
+                f"DataConfig.features_minutes must be > 0 minutes or null, got {self.features_minutes!r}"
+            )
         f = self.heldout_fraction
         if not 0.0 <= f < 1.0:
             raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")

@@ -119,6 +119,10 @@ def data_fingerprint(data_cfg) -> dict:
         for f in dataclasses.fields(data_cfg)
         if f.name not in NOT_ROW_FIELDS and f.name != "sources"
     }
+    # A time-capped build holds a prefix of the epoch, so the cap names its rows; uncapped caches
+    # keep the identity (and the auto directory) they had before the field existed.
+    if out.get("features_minutes") is None:
+        out.pop("features_minutes", None)
     paths = [Path(resolve_source(s)[0]) for s in data_cfg.sources]
     out["sources"] = [f"{p.name}:{file_digest(p)}" for p in paths]
     return out
@@ -464,10 +468,22 @@ def write_cache(
     stored = None if dtype is None else to_dtype(dtype)
     computed: dict[str, str] = {}
     counts = np.zeros(target.config.vocab_size, np.int64)
+    max_minutes = getattr(data_cfg, "features_minutes", None)
+    t_build = time.perf_counter()
+    complete = True
     bar = tqdm(desc=f"features -> {writer.out.name}", unit="row", disable=quiet)
     try:
         with jax.set_mesh(mesh):
             for batch in rows:
+                if max_minutes is not None and writer.rows and time.perf_counter() - t_build > 60 * max_minutes:
+                    complete = False
+                    log.info(
+                        "data.features_minutes=%g: the feature cache stops at %d rows (the run trains on "
+                        "them; a faster machine builds more of the epoch)",
+                        max_minutes,
+                        writer.rows,
+                    )
+                    break
                 outputs = jax.device_get(target_outputs(target, to_global_batch(batch, sharding)))
                 record = {k: np.asarray(batch[k], np.int32) for k in ROW_ARRAYS}
                 labels = outputs.pop("count_labels", outputs.get("labels"))
@@ -489,6 +505,8 @@ def write_cache(
                 "target_dir": str(target_dir),
                 "config": cfg.to_dict(),
                 "build_seconds": round(time.perf_counter() - t0, 3),
+                # False: data.features_minutes ran out first and the rows are a prefix of the epoch
+                "complete_epoch": complete,
                 # Sparse {id: count} of the labels at trainable positions (training/draft_vocab.py).
                 "label_counts": {str(i): int(counts[i]) for i in np.flatnonzero(counts)},
                 "vocab_size": int(counts.shape[0]),

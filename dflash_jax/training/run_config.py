@@ -253,6 +253,13 @@ class RunConfig:
                 "times the one after it, which the budget sets aside (or set eval.num_prompts=0)"
             )
 
+        if self.data.features_minutes is not None and not self.data.features:
+            raise ValueError(
+                "data.features_minutes caps the build of the feature cache a run trains from: set "
+                "data.features: auto (or the dir of a cache built with the same cap), or "
+                "data.features_minutes: null"
+            )
+
     def to_dict(self) -> dict:
         return to_dict(self)
 
