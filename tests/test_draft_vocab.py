@@ -365,7 +365,8 @@ def test_resume_with_another_draft_vocab_size_is_refused(tmp_path):
 
 
 def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
-    """A new batch size, row length or feature source reuses the answers; other prompts do not."""
+    """A new batch size, row length, feature source or feature budget reuses the answers; other
+    prompts do not."""
     from dflash_jax.training.regen_cache import regen_key
     from dflash_jax.training.run_config import load_run_config
 
@@ -377,9 +378,16 @@ def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
 
     base = key()
     assert (
-        key("data.batch_size=1", "data.max_length=256", "data.features=null", "train.learning_rate=0.01")
+        key(
+            "data.batch_size=1",
+            "data.max_length=256",
+            "data.features=null",
+            "data.features_minutes=null",
+            "train.learning_rate=0.01",
+        )
         == base
     )
+    assert key("data.features_minutes=3") == base
     assert key("data.max_records=100") != base
     assert key("regen.max_new_tokens=64") != base
     assert key("regen.answers=target") != base  # the demo keeps the data's replies

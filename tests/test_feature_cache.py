@@ -217,7 +217,9 @@ def test_features_minutes_caps_the_build_and_names_its_rows(cache, tmp_path):
     assert manifest["rows"] == 8 and manifest["complete_epoch"] is False  # one batch of 8 of 3
     assert manifest["identity"]["data"]["features_minutes"] == 1e-6
     path = tmp_path / "capped"
-    with pytest.raises(FeatureCacheError, match=r"data.features_minutes: cache has 1e-06, this run has '<absent>'"):
+    with pytest.raises(
+        FeatureCacheError, match=r"data.features_minutes: cache has 1e-06, this run has '<absent>'"
+    ):
         run(tiny(tmp_path / "uncapped", f"data.features={path}"), quiet=True)
     done = run(tiny(tmp_path / "run", f"data.features={path}", "data.features_minutes=1e-6"), quiet=True)
     assert done["step"] == 1  # one epoch of one batch (data.num_epochs=1)

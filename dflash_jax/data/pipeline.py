@@ -79,9 +79,9 @@ class DataConfig:
                     (training/feature_cache.py), and the fields above then only describe the rows it holds
     features_minutes: a cache built for the run (``features: auto``, or ``python -m
                     dflash_jax.features``) stops after this many minutes of target forwards and the
-                    run trains on the rows built by then (the records are
-                    shuffled, so a random subset of the epoch): a slower machine trains on fewer rows
-                    for more epochs instead of spending its budget on features. None: the whole epoch
+                    run trains on the rows built by then (records are shuffled: a random subset of
+                    the epoch), so a slower machine trains more epochs of fewer rows instead of
+                    spending its budget on features. None: the whole epoch
     """
 
     sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple

@@ -428,7 +428,8 @@ def write_cache(
 
     ``dtype``: the stored dtype of features (and hidden states); None keeps the dtype the target
     computes them in (exact). Besides the arrays, the manifest holds the label counts a draft
-    vocabulary is chosen from (``training/draft_vocab.py``)."""
+    vocabulary is chosen from (``training/draft_vocab.py``). With ``data_cfg.features_minutes`` the
+    build stops at the first batch past that many minutes (``complete_epoch: false``)."""
     import time
 
     import jax
@@ -475,7 +476,8 @@ def write_cache(
     try:
         with jax.set_mesh(mesh):
             for batch in rows:
-                if max_minutes is not None and writer.rows and time.perf_counter() - t_build > 60 * max_minutes:
+                over = max_minutes is not None and time.perf_counter() - t_build > 60 * max_minutes
+                if over and writer.rows:  # at least one batch, whatever the budget
                     complete = False
                     log.info(
                         "data.features_minutes=%g: the feature cache stops at %d rows (the run trains on "
