@@ -469,7 +469,7 @@ def write_cache(
     stored = None if dtype is None else to_dtype(dtype)
     computed: dict[str, str] = {}
     counts = np.zeros(target.config.vocab_size, np.int64)
-    max_minutes = getattr(data_cfg, "features_minutes", None)
+    max_minutes = data_cfg.features_minutes
     t_build = time.perf_counter()
     complete = True
     bar = tqdm(desc=f"features -> {writer.out.name}", unit="row", disable=quiet)
