@@ -431,7 +431,7 @@ def test_run_minutes_leaves_training_what_the_evaluations_and_the_margin_do_not_
 
     from dflash_jax.config_io import ConfigError
     from dflash_jax.training.loop import training_minutes_in_budget
-    from dflash_jax.training.run import RESUMED_FINAL_EVAL_S, _within_run_budget
+    from dflash_jax.training.run import RESUMED_CURVE_EVAL_S, RESUMED_FINAL_EVAL_S, _within_run_budget
     from dflash_jax.training.run_config import load_run_config
 
     # 27 min, 7 spent, a 60 s final evaluation, 30 s margin, curve points of 8 s every 4 minutes.
@@ -439,24 +439,28 @@ def test_run_minutes_leaves_training_what_the_evaluations_and_the_margin_do_not_
     assert got == pytest.approx((1620 - 420 - 60 - 30) / (1 + 8 / 240) / 60)
     assert training_minutes_in_budget(27, 420, 60) == pytest.approx((1620 - 510) / 60)
 
-    def budget(*overrides, start_step=0, eval_s=60.0):
+    def budget(*overrides, start_step=0, eval_s=60.0, curve_s=7.5):
         cfg = load_run_config(
             "tiny",
             ["eval.num_prompts=32", "eval.max_new_tokens=128", "eval.curve_every_minutes=4", *overrides],
         )
         t_start = time.perf_counter() - 420  # 7 minutes ago
-        return _within_run_budget(cfg, t_start, eval_s, start_step, 32).time_limit_minutes
+        return _within_run_budget(cfg, t_start, eval_s, curve_s, start_step, 32).time_limit_minutes
 
-    # A curve point: 8 of 32 prompts x 64 of 128 tokens of the 60 s evaluation = 7.5 s.
     want = training_minutes_in_budget(27, 420, 60, curve_eval_s=7.5, curve_every_minutes=4)
     assert budget("train.run_minutes=27") == pytest.approx(want, abs=0.01)
     assert budget("train.run_minutes=27", "train.time_limit_minutes=3") == 3  # the smaller wins
     assert budget("train.run_minutes=27", "train.time_limit_minutes=60") == pytest.approx(want, abs=0.01)
     assert budget() is None and budget("train.time_limit_minutes=5") == 5  # no budget: untouched
-    resumed = training_minutes_in_budget(
-        27, 420, RESUMED_FINAL_EVAL_S, RESUMED_FINAL_EVAL_S / 8, curve_every_minutes=4
+    assert budget("train.run_minutes=27", "eval.curve_every_minutes=null") == pytest.approx(
+        training_minutes_in_budget(27, 420, 60), abs=0.01
     )
-    assert budget("train.run_minutes=27", start_step=100, eval_s=0.0) == pytest.approx(resumed, abs=0.01)
+    resumed = training_minutes_in_budget(
+        27, 420, RESUMED_FINAL_EVAL_S, RESUMED_CURVE_EVAL_S, curve_every_minutes=4
+    )
+    assert budget("train.run_minutes=27", start_step=100, eval_s=0.0, curve_s=0.0) == pytest.approx(
+        resumed, abs=0.01
+    )
     with pytest.raises(ConfigError, match=r"train.run_minutes=8: 7.0 minutes spent"):
         budget("train.run_minutes=8")
 

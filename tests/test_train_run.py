@@ -48,6 +48,40 @@ def test_resume_is_exact(tmp_path):
     assert [la[s] for s in range(1, 7)] == [lb[s] for s in range(1, 7)]
 
 
+def test_regenerated_run_replays_tau_and_checks_it_against_decoding(tmp_path):
+    """With the target's cached greedy answers to the eval prompts, tau before training and on the
+    curve is replayed, and the decoding after training reports its replay beside it: equal per prompt."""
+    from dflash_jax import assets
+
+    cfg = tiny(
+        tmp_path / "run",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "regen.enabled=true",
+        "regen.answers=dataset",
+        "regen.num_prompts=40",
+        "eval.num_prompts=2",
+        "eval.curve_every_minutes=0.0001",  # a curve point after every step
+    )
+    result = run(cfg, quiet=True)
+    before, after = result["eval_before"], result["eval_after"]
+    assert before["method"] == "replay" and after["method"] == "speculative decoding"
+    assert before["num_prompts"] == after["num_prompts"] == 2
+    replayed = after["replay"]
+    assert replayed["method"] == "replay" and replayed["verify_steps"] == after["verify_steps"] > 0
+    assert replayed["per_prompt_tau"] == after["per_prompt_tau"]
+    # the regeneration cache's key holds the run's own tiny target: its newest entry is this run's
+    newest = max(
+        (assets.cache_root() / "regenerated").glob("*/heldout_answers.json"), key=lambda p: p.stat().st_mtime
+    )
+    answers = json.loads(newest.read_text())
+    assert len(answers["prompts"]) == 2 and answers["max_new_tokens"] == cfg.eval.max_new_tokens
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    taus = [(r["step"], r["tau"]) for r in rows if r["split"] == "heldout" and "tau" in r]
+    assert [s for s, _ in taus] == [0, 1, 2, 3, 4, 4]  # before, the curve, after
+    assert taus[0][1] == before["tau"] and taus[-1][1] == after["tau"]
+
+
 def test_eight_devices_data_tensor_layout_matches_one_device(tmp_path):
     common = ["train.steps=4", "train.warmup_steps=1"]
     one = run(tiny(tmp_path / "one", *common, "mesh.num_devices=1", "mesh.data=1"), quiet=True)

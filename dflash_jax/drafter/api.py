@@ -27,6 +27,18 @@ def init_drafter(config: DrafterConfig, target, rng: int | jax.Array | nnx.Rngs 
     return DFlashDrafter(config, rngs=rngs)
 
 
+def with_attention_impl(drafter: DFlashDrafter, attention_impl: str) -> DFlashDrafter:
+    """The same weights under another attention implementation (e.g. a drafter fresh from Pallas
+    training, decoded where the kernel does not run); ``drafter`` itself when it already uses it."""
+    cfg = drafter.config
+    if attention_impl == cfg.attention_impl:
+        return drafter
+    cfg = cfg.replace(attention_impl=attention_impl)
+    other = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(drafter, WEIGHTS))
+    return other
+
+
 def get_params(drafter: DFlashDrafter) -> dict:
     """The drafter's weights as a nested pure dict (the layout convert/zlab_drafter maps): its
     parameters and, with a draft vocabulary, ``draft_vocab`` (int32 [N] target ids)."""

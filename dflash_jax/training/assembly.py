@@ -42,6 +42,7 @@ class RunParts:
     tokenizer_dir: Path | None
     warm_start: str | None = None  # the drafter the run starts from (z-lab HF dir or a checkpoint)
     eval_prompts: tuple = ()  # token ids of the held-out prompts tau is measured on
+    eval_answers: object = None  # regen_cache.HeldoutAnswers: the target's greedy answers to them
     target: object = None
     tokenizer: object = None
     warm_source: object = None  # the warm-start drafter with its weights (drop after copying them)
@@ -78,7 +79,7 @@ def assemble(
 
     import dflash_jax
     from dflash_jax.training import evaluation, setup
-    from dflash_jax.training.regen_cache import data_configs, regenerated_data
+    from dflash_jax.training.regen_cache import HeldoutAnswers, data_configs, regenerated_data
 
     if run_dir is None:
         run_dir = Path(cfg.output_dir).expanduser().resolve()
@@ -91,12 +92,20 @@ def assemble(
     log.info(
         "target %s: %d layers, hidden %d, vocab %d", target_dir, tc.num_layers, tc.hidden_size, tc.vocab_size
     )
-    eval_prompts = tuple(
-        evaluation.heldout_prompt_ids(cfg, tokenizer)
-    )  # a bad prompt file fails before regen
-    data, heldout = cfg.data, None
+    held_prompts = evaluation.heldout_prompts(cfg, tokenizer)  # a bad prompt file fails before regen
+    eval_prompts = tuple(ids for _, ids in held_prompts)
+    data, heldout, answers = cfg.data, None, None
     if cfg.regen.enabled:
-        data, heldout = data_configs(cfg, *regenerated_data(cfg, target, tokenizer, target_dir))
+        train_path, held_path, answers_path = regenerated_data(
+            cfg, target, tokenizer, target_dir, held_prompts
+        )
+        data, heldout = data_configs(cfg, train_path, held_path)
+        answers = HeldoutAnswers.read(answers_path)
+        if answers.prompts != tuple(tuple(p) for p in eval_prompts) or not answers.answers:
+            log.warning(
+                "%s: not the answers to this run's eval prompts; tau is decoded, not replayed", answers_path
+            )
+            answers = None
     source = setup.load_warm_start(warm_start, target) if warm_start else None
     dcfg = setup.build_drafter_config(
         cfg, tc, tokenizer, source=None if source is None else source.config, source_path=warm_start
@@ -110,6 +119,7 @@ def assemble(
         tokenizer_dir=Path(tok_dir),
         warm_start=warm_start,
         eval_prompts=eval_prompts,
+        eval_answers=answers,
         target=target,
         tokenizer=tokenizer,
         warm_source=source,

@@ -1,7 +1,11 @@
-"""Held-out evaluation during training: loss/streak on held-out batches and tau by speculative decoding.
+"""Held-out evaluation during training: loss/streak on held-out batches and tau.
 
-Held-out prompts are never trained on; tau is measured with greedy speculative decoding
-(:func:`dflash_jax.decoding.evaluation.evaluate`) before and after training.
+Held-out prompts are never trained on. Tau after training is measured by greedy speculative
+decoding (:func:`dflash_jax.decoding.evaluation.evaluate`). With the target's greedy answers to the
+same prompts at hand (the regeneration cache makes them), tau before training and the curve during
+it are measured by replaying those answers (:mod:`dflash_jax.decoding.replay`: the same steps
+decoding would take, in seconds instead of minutes), and the final measurement reports its replay
+beside it, a check that the two agree.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 
 import numpy as np
 
@@ -42,8 +47,9 @@ def heldout_metrics(eval_step, drafter, target, batches, key) -> dict | None:
     return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0) for k in ("loss", "streak", "slot_acc")}
 
 
-def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
-    """Token ids of the held-out prompts (never trained) for the tau evaluation."""
+def heldout_prompts(cfg: RunConfig, tokenizer) -> list[tuple[list[dict], list[int]]]:
+    """(messages, token ids) of the held-out prompts (never trained) tau is measured on: the first
+    ``eval.num_prompts`` of at most ``eval.max_prompt_tokens`` tokens."""
     from dflash_jax.data.pipeline import load_heldout_prompts
     from dflash_jax.decoding.prompts import encode_prompt
 
@@ -53,10 +59,15 @@ def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
     for p in load_heldout_prompts(cfg.data):
         ids = encode_prompt(tokenizer, p["messages"], cfg.data.enable_thinking)
         if len(ids) <= cfg.eval.max_prompt_tokens:
-            out.append(ids)
+            out.append((p["messages"], ids))
         if len(out) >= cfg.eval.num_prompts:
             break
     return out
+
+
+def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
+    """Token ids of the held-out prompts (never trained) for the tau evaluation."""
+    return [ids for _, ids in heldout_prompts(cfg, tokenizer)]
 
 
 def measure_tau(
@@ -81,27 +92,63 @@ def measure_tau(
         # acceptance of those last steps can differ from z-lab's (python -m dflash_jax.eval: exact).
         exact_tail=False,
     )
-    s = rep["summary"]
-    taus = np.array([r["tau"] for r in rep["prompts"] if r["tau"] is not None], np.float64)
+    return _tau_report(rep["summary"], [r["tau"] for r in rep["prompts"]], "speculative decoding")
+
+
+def replay_tau(replay, drafter) -> dict:
+    """Tau of ``drafter`` by replaying the target's greedy answers (``decoding.replay.Replay``): the
+    same report as :func:`measure_tau`, for the prompts and length the answers were made with."""
+    from dflash_jax.decoding.evaluation import acceptance_stats
+
+    outs = replay.outputs(drafter)
+    s = {
+        "num_prompts": len(outs),
+        "block_size": drafter.config.block_size,
+        "max_new_tokens": replay.max_new_tokens,
+        **acceptance_stats(outs, drafter.config.block_size),
+    }
+    return _tau_report(
+        s, [sum(o.acceptance_lengths) / o.num_steps if o.num_steps else None for o in outs], "replay"
+    )
+
+
+def _tau_report(s: dict, per_prompt_tau: list, method: str) -> dict:
+    taus = np.array([t for t in per_prompt_tau if t is not None], np.float64)
     return {
         "tau": float(s["tau"]),
         "tau_stderr": float(taus.std(ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
         "per_slot_acceptance": s["per_position_acceptance"],
-        "per_prompt_tau": [r["tau"] for r in rep["prompts"]],  # prompt order: for paired differences
-        "num_prompts": len(prompts),
+        "per_prompt_tau": per_prompt_tau,  # prompt order: for paired differences
+        "num_prompts": int(s["num_prompts"]),
         "verify_steps": int(s["num_steps"]),
         "tau_pooled": s["tau_pooled"],
+        "method": method,
         "summary": s,
     }
 
 
+# The final evaluation decodes; before training only replays. Its time is set aside as this many
+# times the seconds the target took for its greedy answers to the same prompts (the plain decode
+# that made them): on the 2-core EPYC of BENCHMARKS.md 83 s of answers, 141 s of speculative
+# decoding of an untrained drafter (tau 1.0), 125 s of a trained one (tau 1.3).
+FINAL_DECODE_OVER_ANSWERS = 1.7
+
+
 class HeldoutReports:
     """What a run reports about its drafter on data it never trains on: tau before/after training
-    (``eval_<when>.json`` in the run dir, logged with per-slot acceptance), a short tau for the
-    curve during training, and the held-out loss/streak of the regenerated held-out batches."""
+    (``eval_<when>.json`` in the run dir, logged with per-slot acceptance), tau for the curve during
+    training, and the held-out loss/streak of the regenerated held-out batches.
+
+    With the target's greedy answers to the eval prompts (``parts.eval_answers``) tau before training
+    and on the curve is replayed (all prompts, full length, seconds), and tau after training is
+    decoded with the replay beside it; without them everything is decoded (the curve on
+    ``eval.curve_prompts`` x ``eval.curve_max_new_tokens``)."""
 
     def __init__(self, cfg: RunConfig, parts, drafter, eval_step, batches, *, logger, result: dict, run_dir):
         import jax
+
+        from dflash_jax.decoding.prompts import stop_token_ids
+        from dflash_jax.decoding.replay import Replay
 
         self.cfg, self.parts, self.drafter, self.eval_step, self.batches = (
             cfg,
@@ -112,20 +159,65 @@ class HeldoutReports:
         )
         self.logger, self.result, self.run_dir = logger, result, run_dir
         self.key = jax.random.key(cfg.train.seed + 1)
+        self.replay, self.replay_seconds = None, None
+        answers = getattr(parts, "eval_answers", None)
+        if answers and parts.eval_prompts:
+            self.replay = Replay(
+                parts.target,
+                parts.eval_prompts,
+                answers.answers,
+                layer_ids=drafter.config.target_layer_ids,
+                max_new_tokens=answers.max_new_tokens,
+                stop_token_ids=stop_token_ids(parts.target.config, parts.tokenizer),
+            )
+            self.answer_seconds = answers.seconds
 
-    def tau(self, when: str) -> None:
+    def final_eval_estimate_s(self, before_s: float) -> float:
+        """Seconds to set aside for the decoding after training, ``before_s`` being what the
+        measurement before training took."""
+        if self.replay is None:
+            return before_s  # decoded too; an untrained drafter accepts less, so this errs long
+        return FINAL_DECODE_OVER_ANSWERS * self.answer_seconds
+
+    def curve_estimate_s(self, before_s: float) -> float:
+        """Seconds a curve point takes."""
+        if self.replay is not None:
+            return self.replay_seconds if self.replay_seconds is not None else before_s
+        cfg, n = self.cfg.eval, len(self.parts.eval_prompts)
+        if not n:
+            return 0.0
+        return before_s * min(cfg.curve_prompts, n) / n * cfg.curve_max_new_tokens / cfg.max_new_tokens
+
+    def _replay(self) -> dict:
+        t0 = time.perf_counter()
+        rep = replay_tau(self.replay, self.drafter)
+        if self.replay_seconds is None:  # the first one computes the target features and compiles
+            t0 = time.perf_counter()
+            rep = replay_tau(self.replay, self.drafter)
+        self.replay_seconds = time.perf_counter() - t0
+        return rep
+
+    def tau(self, when: str, step: int) -> None:
         cfg, prompts = self.cfg, list(self.parts.eval_prompts)
         if not prompts:
             return
-        rep = measure_tau(cfg, self.parts.target, self.drafter, self.parts.tokenizer, prompts)
+        if self.replay is not None and when == "before":
+            rep = self._replay()
+        else:
+            rep = measure_tau(cfg, self.parts.target, self.drafter, self.parts.tokenizer, prompts)
+            if self.replay is not None:
+                rep["replay"] = self._replay()
         self.result[f"tau_{when}"], self.result[f"eval_{when}"] = rep["tau"], rep
+        if self.replay is not None:  # the curve's prompts and length: its first and last points
+            self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
         (self.run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
         shown = rep["per_slot_acceptance"][:8]
         slots = " ".join("-" if a is None else f"{a:.2f}" for a in shown)
         log.info(
-            "held-out tau %s training: %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
+            "held-out tau %s training (%s): %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
             "acceptance of draft slots 1..%d: %s",
             when,
+            rep["method"],
             rep["tau"],
             rep["tau_stderr"] or 0.0,
             rep["num_prompts"],
@@ -134,25 +226,43 @@ class HeldoutReports:
             len(shown),
             slots,
         )
+        if "replay" in rep:
+            diff = [
+                a - b
+                for a, b in zip(rep["per_prompt_tau"], rep["replay"]["per_prompt_tau"], strict=True)
+                if a is not None and b is not None
+            ]
+            log.info(
+                "the same by replay of the target's answers: %.3f (per prompt, decoding - replay: "
+                "largest |difference| %.3f)",
+                rep["replay"]["tau"],
+                max((abs(d) for d in diff), default=0.0),
+            )
 
     def tau_curve(self, step: int) -> None:
-        """A short held-out tau during training, for the curve in metrics.png."""
+        """Held-out tau during training, for the curve in metrics.png."""
         cfg = self.cfg
-        rep = measure_tau(
-            cfg,
-            self.parts.target,
-            self.drafter,
-            self.parts.tokenizer,
-            list(self.parts.eval_prompts[: cfg.eval.curve_prompts]),
-            max_new_tokens=cfg.eval.curve_max_new_tokens,
-        )
+        if self.replay is not None:
+            rep, n_tokens = self._replay(), cfg.eval.max_new_tokens
+        else:
+            n_tokens = cfg.eval.curve_max_new_tokens
+            rep = measure_tau(
+                cfg,
+                self.parts.target,
+                self.drafter,
+                self.parts.tokenizer,
+                list(self.parts.eval_prompts[: cfg.eval.curve_prompts]),
+                max_new_tokens=n_tokens,
+            )
         self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
         log.info(
-            "step %d: held-out tau %.3f (%d prompts x %d tokens)",
+            "step %d: held-out tau %.3f +- %.3f (%s, %d prompts x %d tokens)",
             step,
             rep["tau"],
+            rep["tau_stderr"] or 0.0,
+            rep["method"],
             rep["num_prompts"],
-            cfg.eval.curve_max_new_tokens,
+            n_tokens,
         )
 
     def streak(self, step: int, when: str) -> None:

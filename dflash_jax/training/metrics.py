@@ -112,7 +112,7 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     axes[1].set_title("streak (teacher-forced accepted length)")
     if taus:
         axes[2].plot([r["step"] for r in taus], [r["tau"] for r in taus], "o-", label="heldout")
-        axes[2].set_title("held-out tau (speculative decoding)")
+        axes[2].set_title("held-out tau (accepted tokens per verify step)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

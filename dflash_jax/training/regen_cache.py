@@ -2,11 +2,13 @@
 
 DFlash drafters learn the target's distribution, so prompts are answered by the target itself.
 With ``regen.answers: dataset`` the training prompts keep the data's own first reply (nothing is
-generated for them; the labels are still the target's argmax over that text) and only the held-out
-prompts are answered by the target. The result is cached under
+generated for them; the labels are still the target's argmax over that text). The held-out prompts
+tau is measured on (``evaluation.heldout_prompts``) are answered greedily, ``eval.max_new_tokens``
+each: their text is the held-out loss's data (``heldout.jsonl``), their token ids
+(``heldout_answers.json``) what tau is replayed on (``decoding.replay``). The result is cached under
 ``assets.cache_root()/regenerated/<digest>``, keyed by what changes the answers: the target, the
 tokenizer and its template, the prompts chosen (``PROMPT_FIELDS`` of the data section), the
-generation settings (``regen.answers`` included) and the held-out prompt count.
+generation settings (``regen.answers`` included) and the held-out prompts and answer length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_jax import assets
@@ -51,7 +55,8 @@ def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
             "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
             "regen": dataclasses.asdict(cfg.regen),
-            "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens],
+            "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens, cfg.eval.max_new_tokens],
+            "heldout": "greedy answers to the eval prompts, ids kept",
         },
         sort_keys=True,
         default=str,
@@ -59,19 +64,59 @@ def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tuple[Path, Path]:
-    """-> (train JSONL, held-out JSONL), generated once per content key and reused after."""
+@dataclass(frozen=True)
+class HeldoutAnswers:
+    """The target's greedy answers (token ids, a final stop token included) to the eval prompts,
+    ``max_new_tokens`` at most, and the seconds its plain decoder took for them."""
+
+    prompts: tuple
+    answers: tuple
+    max_new_tokens: int
+    seconds: float
+
+    @classmethod
+    def read(cls, path: Path) -> HeldoutAnswers:
+        d = json.loads(Path(path).read_text())
+        return cls(
+            prompts=tuple(tuple(p) for p in d["prompts"]),
+            answers=tuple(tuple(a) for a in d["answers"]),
+            max_new_tokens=int(d["max_new_tokens"]),
+            seconds=float(d["seconds"]),
+        )
+
+    def write(self, path: Path) -> None:
+        d = {
+            "prompts": [list(p) for p in self.prompts],
+            "answers": [list(a) for a in self.answers],
+            "max_new_tokens": self.max_new_tokens,
+            "seconds": self.seconds,
+        }
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(d))
+        tmp.replace(path)
+
+
+def regenerated_data(
+    cfg: RunConfig, target, tokenizer, target_dir: Path, heldout_prompts
+) -> tuple[Path, Path, Path]:
+    """-> (train JSONL, held-out JSONL, held-out answers JSON), generated once per content key and
+    reused after. ``heldout_prompts``: (messages, ids) of the eval prompts (``evaluation.heldout_prompts``)."""
+    from tqdm import tqdm
+
     from dflash_jax.data import sources
-    from dflash_jax.data.pipeline import load_heldout_prompts, split_records
+    from dflash_jax.data.pipeline import split_records
+    from dflash_jax.decoding.generate import generate
+    from dflash_jax.decoding.prompts import stop_token_ids
     from dflash_jax.decoding.regeneration import dataset_replies, regenerate_records
     from dflash_jax.decoding.sampling import SamplingConfig
 
     r = cfg.regen
     out_dir = assets.cache_root() / "regenerated" / regen_key(cfg, tokenizer, target_dir)
     train_path, held_path = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
-    if train_path.is_file() and held_path.is_file():
+    answers_path = out_dir / "heldout_answers.json"
+    if train_path.is_file() and held_path.is_file() and answers_path.is_file():
         log.info("using cached regenerated data in %s", out_dir)
-        return train_path, held_path
+        return train_path, held_path, answers_path
     out_dir.mkdir(parents=True, exist_ok=True)
     train_idx, _, _ = split_records(cfg.data)
     src = sources.RecordSource(train_idx)
@@ -80,15 +125,33 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
         train_records = [src[i] for i in range(n)]
     finally:
         src.close()
-    held_records = load_heldout_prompts(cfg.data, limit=cfg.eval.num_prompts)
-    common = dict(
-        max_new_tokens=r.max_new_tokens,
+
+    stops = stop_token_ids(target.config, tokenizer)
+    bar = tqdm(total=len(heldout_prompts), desc="held-out answers", unit="prompt")
+    t0 = time.perf_counter()
+    answers = generate(
+        target,
+        [ids for _, ids in heldout_prompts],
+        max_new_tokens=cfg.eval.max_new_tokens,
+        eos_token_ids=stops,
         batch_size=r.batch_size,
-        sampling=SamplingConfig(temperature=r.temperature),
-        enable_thinking=cfg.data.enable_thinking,
+        progress=bar.update,
     )
-    held, rep_h = regenerate_records(
-        target, tokenizer, held_records, max_prompt_tokens=cfg.eval.max_prompt_tokens, **common
+    seconds = time.perf_counter() - t0
+    bar.close()
+    held = []
+    for i, ((msgs, _), toks) in enumerate(zip(heldout_prompts, answers, strict=True)):
+        text = tokenizer.decode(toks[:-1] if toks and toks[-1] in stops else toks, skip_special_tokens=True)
+        if text.strip():
+            held.append({"id": f"heldout-{i}", "messages": [*msgs, {"role": "assistant", "content": text}]})
+    n_tok = sum(map(len, answers))
+    log.info(
+        "held-out: the target's greedy answers to %d prompts (%d tokens in %.0f s, %.0f tokens/s; %d empty)",
+        len(answers),
+        n_tok,
+        seconds,
+        n_tok / max(seconds, 1e-9),
+        len(answers) - len(held),
     )
     if r.answers == "dataset":
         train, rep_t = dataset_replies(
@@ -99,13 +162,25 @@ def regenerated_data(cfg: RunConfig, target, tokenizer, target_dir: Path) -> tup
         )
     else:
         train, rep_t = regenerate_records(
-            target, tokenizer, train_records, max_prompt_tokens=r.max_prompt_tokens, **common
+            target,
+            tokenizer,
+            train_records,
+            max_prompt_tokens=r.max_prompt_tokens,
+            max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size,
+            sampling=SamplingConfig(temperature=r.temperature),
+            enable_thinking=cfg.data.enable_thinking,
         )
-    log.info("held-out: %s", rep_h.summary())
     log.info("train: %s", rep_t.summary())
     sources.write_chat_jsonl(held_path, held)
-    sources.write_chat_jsonl(train_path, train)
-    return train_path, held_path
+    HeldoutAnswers(
+        prompts=tuple(tuple(ids) for _, ids in heldout_prompts),
+        answers=tuple(tuple(a) for a in answers),
+        max_new_tokens=cfg.eval.max_new_tokens,
+        seconds=seconds,
+    ).write(answers_path)
+    sources.write_chat_jsonl(train_path, train)  # last: its presence says the rest is complete
+    return train_path, held_path, answers_path
 
 
 def data_configs(cfg: RunConfig, train_path: Path, held_path: Path):

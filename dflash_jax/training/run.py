@@ -127,13 +127,16 @@ def run(
     with jax.set_mesh(mesh):
         t_eval = time.perf_counter()
         if start_step == 0 and cfg.eval.before_training:
-            heldout.tau("before")
+            heldout.tau("before", 0)
         if start_step == 0:
             heldout.streak(0, "before")
         eval_s = time.perf_counter() - t_eval
+        final_eval_s, curve_eval_s = heldout.final_eval_estimate_s(eval_s), heldout.curve_estimate_s(eval_s)
         try:
             done = train_loop(
-                _within_run_budget(cfg, t_start, eval_s, start_step, len(parts.eval_prompts)),
+                _within_run_budget(
+                    cfg, t_start, final_eval_s, curve_eval_s, start_step, len(parts.eval_prompts)
+                ),
                 train_step=train_step,
                 drafter=drafter,
                 optimizer=optimizer,
@@ -168,7 +171,7 @@ def run(
         data_iter.close()
         result.update(_summary(done))
         heldout.streak(done.step, "after")
-        heldout.tau("after")
+        heldout.tau("after", done.step)
     logger.close()
     if primary:
         result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
@@ -236,15 +239,23 @@ def _open_checkpoints(cfg: RunConfig, run_dir: Path, drafter, optimizer, mesh, r
     return ckpt, int(meta["step"]), meta.get("data_state")
 
 
-# What a resumed run sets aside for its final evaluation: the one before training that timed it ran
-# in the first invocation
+# What a resumed run sets aside for its final evaluation (the one before training that timed it ran
+# in the first invocation) and for each curve point
 RESUMED_FINAL_EVAL_S = 120.0
+RESUMED_CURVE_EVAL_S = RESUMED_FINAL_EVAL_S / 8
 
 
-def _within_run_budget(cfg: RunConfig, t_start: float, eval_s: float, start_step: int, num_prompts: int):
-    """``cfg.train`` with ``train.run_minutes`` turned into a training time limit: the final
-    evaluation takes about what the one before training took (``eval_s``; an untrained drafter
-    accepts less, so that errs long), a curve point the same per prompt and token."""
+def _within_run_budget(
+    cfg: RunConfig,
+    t_start: float,
+    final_eval_s: float,
+    curve_eval_s: float,
+    start_step: int,
+    num_prompts: int,
+):
+    """``cfg.train`` with ``train.run_minutes`` turned into a training time limit: what is left after
+    the final evaluation (``final_eval_s``, estimated from the one before training) and the curve
+    points (``curve_eval_s`` each)."""
     from dflash_jax.training.loop import training_minutes_in_budget
 
     train, ev = cfg.train, cfg.eval
@@ -252,23 +263,22 @@ def _within_run_budget(cfg: RunConfig, t_start: float, eval_s: float, start_step
         return train
     elapsed = time.perf_counter() - t_start
     if start_step:
-        eval_s = RESUMED_FINAL_EVAL_S if num_prompts else 0.0
+        final_eval_s = RESUMED_FINAL_EVAL_S if num_prompts else 0.0
+        curve_eval_s = RESUMED_CURVE_EVAL_S if num_prompts else 0.0
         log.warning(
             "train.run_minutes on a resume: counted from this invocation's start, %.0f s set aside for "
             "the final evaluation",
-            eval_s,
+            final_eval_s,
         )
-    per_curve = 0.0
-    if num_prompts and ev.curve_every_minutes:
-        share = min(ev.curve_prompts, num_prompts) / num_prompts
-        per_curve = eval_s * share * ev.curve_max_new_tokens / ev.max_new_tokens
+    if not (num_prompts and ev.curve_every_minutes):
+        curve_eval_s = 0.0
     minutes = training_minutes_in_budget(
-        train.run_minutes, elapsed, eval_s, per_curve, ev.curve_every_minutes
+        train.run_minutes, elapsed, final_eval_s, curve_eval_s, ev.curve_every_minutes
     )
     if minutes <= 0:
         raise ConfigError(
             f"train.run_minutes={train.run_minutes:g}: {elapsed / 60:.1f} minutes spent before training and "
-            f"{eval_s / 60:.1f} set aside for the final evaluation leave no time to train; raise "
+            f"{final_eval_s / 60:.1f} set aside for the final evaluation leave no time to train; raise "
             "train.run_minutes (a second run reuses the prepared target, data and features)"
         )
     if train.time_limit_minutes is not None:
@@ -279,8 +289,8 @@ def _within_run_budget(cfg: RunConfig, t_start: float, eval_s: float, start_step
         train.run_minutes,
         elapsed / 60,
         minutes,
-        eval_s,
-        per_curve,
+        final_eval_s,
+        curve_eval_s,
     )
     return dataclasses.replace(train, time_limit_minutes=minutes)
 

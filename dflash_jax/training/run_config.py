@@ -205,9 +205,12 @@ class RegenSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    """Held-out tau by real speculative decoding: ``num_prompts`` x ``max_new_tokens`` before and
-    after training; with ``curve_every_minutes`` also during training on the first
-    ``curve_prompts`` of them (the tau curve of metrics.png; its time is not training time)."""
+    """Held-out tau on ``num_prompts`` x ``max_new_tokens`` before and after training and, with
+    ``curve_every_minutes``, during training (the tau curve of metrics.png; its time is not training
+    time). After training it is measured by real speculative decoding. With ``regen.enabled`` the
+    target's greedy answers to these prompts are cached, and before training and on the curve tau is
+    replayed from them (``decoding.replay``: the steps decoding would take, in seconds); without
+    them it is decoded, the curve on the first ``curve_prompts`` x ``curve_max_new_tokens``."""
 
     num_prompts: int = 8
     max_new_tokens: int = 64

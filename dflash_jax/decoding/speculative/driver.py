@@ -80,14 +80,11 @@ class SpeculativeDecoder:
     ):
         cfg = drafter.config
         cfg.check_target(target.config)
-        if attention_impl is not None and attention_impl != cfg.attention_impl:
-            # e.g. a drafter fresh from training with the Pallas kernel: decode with another impl.
-            from dflash_jax.drafter.model import WEIGHTS, DFlashDrafter
+        if attention_impl is not None:
+            from dflash_jax.drafter.api import with_attention_impl
 
-            cfg = cfg.replace(attention_impl=attention_impl)
-            params = nnx.state(drafter, WEIGHTS)
-            drafter = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
-            nnx.update(drafter, params)
+            drafter = with_attention_impl(drafter, attention_impl)
+            cfg = drafter.config
         self.block_size = int(block_size if block_size is not None else cfg.block_size)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 for speculative decoding, got {self.block_size}")
