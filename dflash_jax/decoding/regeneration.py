@@ -57,6 +57,48 @@ def _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, repo
     return kept
 
 
+def answer_prompts(
+    target,
+    tokenizer,
+    prompts: Sequence[tuple[str, list[dict], list[int]]],
+    *,
+    report: RegenReport,
+    max_new_tokens: int,
+    batch_size: int,
+    sampling: SamplingConfig | None = None,
+    seed: int = 0,
+    desc: str = "regenerate",
+    show_progress: bool = True,
+) -> tuple[list[dict], list[list[int]]]:
+    """Answers encoded prompts ``(record id, messages, token ids)`` with the target. Returns the
+    records (prompt + one assistant turn; an empty answer is left out and counted in ``report``)
+    and every answer's tokens as generated, a final stop token included."""
+    eos = stop_token_ids(target.config, tokenizer)
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not show_progress)
+    outs = generate(
+        target,
+        [ids for _, _, ids in prompts],
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos,
+        sampling=sampling,
+        batch_size=batch_size,
+        seed=seed,
+        progress=bar.update,
+    )
+    bar.close()
+    result = []
+    for (rec_id, msgs, _), toks in zip(prompts, outs, strict=True):
+        if toks and toks[-1] in eos:
+            report.stopped_at_eos += 1
+            toks = toks[:-1]
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        if not text.strip():
+            report.empty += 1
+            continue
+        result.append({"id": rec_id, "messages": [*msgs, {"role": "assistant", "content": text}]})
+    return result, outs
+
+
 def regenerate_records(
     target,
     tokenizer,
@@ -74,30 +116,17 @@ def regenerate_records(
     answered by the target. Returns the new records (prompt + one assistant turn) and a report."""
     report = RegenReport()
     kept = _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, report)
-    prompts = [ids for _, _, ids in kept]
-    eos = stop_token_ids(target.config, tokenizer)
-    bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not show_progress)
-    outs = generate(
+    result, _ = answer_prompts(
         target,
-        prompts,
+        tokenizer,
+        [(f"{rec['id']}", msgs, ids) for rec, msgs, ids in kept],
+        report=report,
         max_new_tokens=max_new_tokens,
-        eos_token_ids=eos,
-        sampling=sampling,
         batch_size=batch_size,
+        sampling=sampling,
         seed=seed,
-        progress=bar.update,
+        show_progress=show_progress,
     )
-    bar.close()
-    result = []
-    for (rec, msgs, _), toks in zip(kept, outs, strict=True):
-        if toks and toks[-1] in eos:
-            report.stopped_at_eos += 1
-            toks = toks[:-1]
-        text = tokenizer.decode(toks, skip_special_tokens=True)
-        if not text.strip():
-            report.empty += 1
-            continue
-        result.append({"id": f"{rec['id']}", "messages": [*msgs, {"role": "assistant", "content": text}]})
     report.written = len(result)
     return result, report
 

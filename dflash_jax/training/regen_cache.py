@@ -101,13 +101,14 @@ def regenerated_data(
 ) -> tuple[Path, Path, Path]:
     """-> (train JSONL, held-out JSONL, held-out answers JSON), generated once per content key and
     reused after. ``heldout_prompts``: (messages, ids) of the eval prompts (``evaluation.heldout_prompts``)."""
-    from tqdm import tqdm
-
     from dflash_jax.data import sources
     from dflash_jax.data.pipeline import split_records
-    from dflash_jax.decoding.generate import generate
-    from dflash_jax.decoding.prompts import stop_token_ids
-    from dflash_jax.decoding.regeneration import dataset_replies, regenerate_records
+    from dflash_jax.decoding.regeneration import (
+        RegenReport,
+        answer_prompts,
+        dataset_replies,
+        regenerate_records,
+    )
     from dflash_jax.decoding.sampling import SamplingConfig
 
     r = cfg.regen
@@ -126,24 +127,17 @@ def regenerated_data(
     finally:
         src.close()
 
-    stops = stop_token_ids(target.config, tokenizer)
-    bar = tqdm(total=len(heldout_prompts), desc="held-out answers", unit="prompt")
     t0 = time.perf_counter()
-    answers = generate(
+    held, answers = answer_prompts(
         target,
-        [ids for _, ids in heldout_prompts],
+        tokenizer,
+        [(f"heldout-{i}", msgs, ids) for i, (msgs, ids) in enumerate(heldout_prompts)],
+        report=RegenReport(),
         max_new_tokens=cfg.eval.max_new_tokens,
-        eos_token_ids=stops,
         batch_size=r.batch_size,
-        progress=bar.update,
+        desc="held-out answers",
     )
     seconds = time.perf_counter() - t0
-    bar.close()
-    held = []
-    for i, ((msgs, _), toks) in enumerate(zip(heldout_prompts, answers, strict=True)):
-        text = tokenizer.decode(toks[:-1] if toks and toks[-1] in stops else toks, skip_special_tokens=True)
-        if text.strip():
-            held.append({"id": f"heldout-{i}", "messages": [*msgs, {"role": "assistant", "content": text}]})
     n_tok = sum(map(len, answers))
     log.info(
         "held-out: the target's greedy answers to %d prompts (%d tokens in %.0f s, %.0f tokens/s; %d empty)",
