@@ -562,14 +562,10 @@ def stage_train(plan, prior, outdir) -> dict:
             lp = plan_lib.plan_layout(spec, MeshConfig(data=1), jax.devices()[:1], measure_steps=p["steps"])
             # Model FLOPs counted analytically (tools/flops.py, as `bench step` does): XLA's cost
             # analysis counts a Pallas custom call as ~0 and the dense xla path's masked-out work in full.
-            labels = (
-                p["rows"] * p["seq"]
-                if cfg.train.loss == "ce"
-                else p["rows"] * p["anchors"] * (spec.drafter_config.block_size - 1)
-            )
+            tokens, blocks = p["rows"] * p["seq"], p["rows"] * p["anchors"]
             model_flops = flops.train_step_flops(
-                tc, spec.drafter_config, context_tokens=p["rows"] * p["seq"], blocks=p["rows"] * p["anchors"],
-                label_positions=labels,
+                tc, spec.drafter_config, context_tokens=tokens, blocks=blocks,
+                label_positions=flops.label_positions(cfg.train.loss, tokens, blocks, spec.drafter_config.block_size),
             )  # fmt: skip
             res = {"step_s": lp.step_seconds, "tokens_per_s": lp.tokens_per_second, "compile_s": lp.compile_seconds,
                    "tflops_per_step": model_flops / 1e12, "xla_cost_tflops": lp.flops / 1e12,

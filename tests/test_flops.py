@@ -52,3 +52,9 @@ def test_a_draft_vocabulary_shrinks_only_the_drafter_head():
     small = DRAFTER.replace(draft_vocab_size=128)
     full = flops.drafter_forward_flops(TARGET, DRAFTER, 10, 2)
     assert full - flops.drafter_forward_flops(TARGET, small, 10, 2) == pytest.approx(2 * 64 * (512 - 128) * 6)
+
+
+def test_label_positions_are_every_token_for_ce_and_the_predicted_slots_for_kl():
+    # ce labels the argmax at each context token; kl the distribution at the B-1 slots after each anchor
+    assert flops.label_positions("ce", context_tokens=768, blocks=256, block_size=4) == 768
+    assert flops.label_positions("kl", context_tokens=768, blocks=256, block_size=4) == 256 * 3

@@ -58,14 +58,12 @@ def bench_step(args) -> dict:
     tokens = float(np.median([r["tokens"] for r in train]))
     anchors = float(np.median([r["anchors"] for r in train]))
     dcfg = res["drafter"].config
-    # Labels: the target's argmax at every position (ce) or its distribution at the slots (kl).
-    labels = tokens if cfg.train.loss == "ce" else anchors * (dcfg.block_size - 1)
     step_flops = flops.train_step_flops(
         res["target"].config,
         dcfg,
         context_tokens=tokens,
         blocks=anchors,
-        label_positions=labels,
+        label_positions=flops.label_positions(cfg.train.loss, tokens, anchors, dcfg.block_size),
         target_forward=not cfg.data.features,
     )
     n_dev = jax.device_count()

@@ -67,6 +67,13 @@ def drafter_train_flops(target_cfg, drafter_cfg, context_tokens: int, blocks: in
     return 3 * layers + 2 * fc + 2 * head
 
 
+def label_positions(loss: str, context_tokens: float, blocks: float, block_size: int) -> float:
+    """Where a step evaluates the target's lm_head for its labels: every context position for
+    ``ce`` (the argmax at each token), the block slots after each anchor for ``kl`` (the target's
+    distribution at the positions the drafter predicts)."""
+    return context_tokens if loss == "ce" else blocks * (block_size - 1)
+
+
 def train_step_flops(
     target_cfg,
     drafter_cfg,
