@@ -75,6 +75,9 @@ class DrafterSection:
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
     # without init_from: random (N(0, 0.02)) or target (the target's last layers, training/setup.py)
     init: Literal["random", "target"] = "random"
+    # init: target only: the first of the num_layers consecutive target layers copied (default: the
+    # last num_layers); fc then selects the tap of the layer before it when that is a tap
+    init_first_layer: int | None = None
 
     def __post_init__(self):
         check_fields(self)
@@ -106,6 +109,14 @@ class DrafterSection:
             raise ValueError(
                 f"drafter.target_layer_ids must be non-empty layer indices >= 0, got {self.target_layer_ids}"
             )
+        if self.init_first_layer is not None:
+            if self.init_first_layer < 0:
+                raise ValueError(f"drafter.init_first_layer must be >= 0, got {self.init_first_layer}")
+            if self.init != "target":
+                raise ValueError(
+                    f"drafter.init_first_layer={self.init_first_layer} needs drafter.init=target "
+                    f"(got {self.init!r}): it names the target layers the drafter starts from"
+                )
         require_attention_impl("drafter.attention_impl", self.attention_impl)
 
 

@@ -366,7 +366,7 @@ def make_drafter(cfg: RunConfig, parts, mesh, *, resume: bool, features_dir, run
     target, source = parts.target, parts.warm_source
     drafter = init_drafter(parts.drafter_config, target, cfg.train.seed)
     if source is None and cfg.drafter.init == "target" and not resume:
-        init_from_target_layers(drafter, target)
+        init_from_target_layers(drafter, target, first_layer=cfg.drafter.init_first_layer)
     has_vocab = False
     if source is not None:
         init_params_from(drafter, source, parts.warm_start)
@@ -403,13 +403,14 @@ def init_params_from(drafter, source, path: str) -> None:
     log.info("initialised drafter from %s", path)
 
 
-def init_from_target_layers(drafter, target) -> None:
-    """Start the drafter from the target's own last ``num_layers`` decoder layers (attention,
-    MLP and their norms copied; q/k norms, absent in Llama/Qwen2, stay 1), ``fc`` as a selection
-    of the last tap (the others start at 0), ``hidden_norm`` as the input norm of the first copied
-    layer and the final norm as the target's: the context then enters the first drafter layer
-    as that target layer's own input when the last tap is the layer before it (z-lab's default
-    taps end at N-3). ``drafter.init: target``."""
+def init_from_target_layers(drafter, target, first_layer: int | None = None) -> None:
+    """Start the drafter from ``num_layers`` consecutive decoder layers of the target, from
+    ``first_layer`` (``drafter.init_first_layer``; default: the last ones): attention, MLP and their
+    norms copied (q/k norms, absent in Llama/Qwen2, stay 1), ``hidden_norm`` as the input norm of
+    the first copied layer and the final norm as the target's. ``fc`` selects one tap (the others
+    start at 0): the layer before the first copied one when it is a tap, so that the context enters
+    the first drafter layer as that target layer's own input (z-lab's default taps end at N-3, the
+    layer before the last two), else the last tap. ``drafter.init: target``."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -432,12 +433,23 @@ def init_from_target_layers(drafter, target) -> None:
         tc.intermediate_size,
     ):
         raise ConfigError("drafter.init=target needs the drafter's heads and MLP width to be the target's")
-    first = tc.num_layers - cfg.num_layers
+    first = tc.num_layers - cfg.num_layers if first_layer is None else first_layer
+    if first_layer is None and first < 0:
+        raise ConfigError(
+            f"drafter.init=target: the drafter's {cfg.num_layers} layers outnumber the target's {tc.num_layers}"
+        )
+    if not 0 <= first <= tc.num_layers - cfg.num_layers:
+        raise ConfigError(
+            f"drafter.init_first_layer={first_layer}: the drafter's {cfg.num_layers} layers from there "
+            f"run past the target's {tc.num_layers} (the last start is {tc.num_layers - cfg.num_layers})"
+        )
     w = {n: np.asarray(jax.device_get(getattr(stack, n)[...]), np.float32) for n in names}
     params = jax.tree.map(np.asarray, jax.device_get(get_params(drafter)))
     D, K = cfg.hidden_size, cfg.num_target_features
+    taps = list(cfg.target_layer_ids)
+    tap = taps.index(first - 1) if first - 1 in taps else K - 1
     fc = np.zeros((K * D, D), np.float32)
-    fc[(K - 1) * D :, :] = np.eye(D, dtype=np.float32)
+    fc[tap * D : (tap + 1) * D, :] = np.eye(D, dtype=np.float32)
     params["fc"] = fc
     params["hidden_norm"]["weight"] = w["input_norm"][first]
     params["norm"]["weight"] = np.asarray(jax.device_get(target.norm[...]), np.float32)
@@ -457,6 +469,6 @@ def init_from_target_layers(drafter, target) -> None:
     log.info(
         "initialised the drafter from target layers %d..%d (fc selects tap %d)",
         first,
-        tc.num_layers - 1,
-        cfg.target_layer_ids[-1],
+        first + cfg.num_layers - 1,
+        taps[tap],
     )
