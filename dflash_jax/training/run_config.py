@@ -73,7 +73,7 @@ class DrafterSection:
     attention_impl: AttentionImpl = "auto"  # a GPU-validated kernel (validated.json), else xla
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
-    # without init_from: random (N(0, 0.02)) or target (the target's last layers, training/setup.py)
+    # without init_from: random (N(0, 0.02)) or target (the target's own layers, training/setup.py)
     init: Literal["random", "target"] = "random"
     # init: target only: the first of the num_layers consecutive target layers copied (default: the
     # last num_layers); fc then selects the tap of the layer before it when that is a tap

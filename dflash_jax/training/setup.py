@@ -356,7 +356,7 @@ def build_drafter_config(
 
 def make_drafter(cfg: RunConfig, parts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool):
     """The run's drafter before it is placed on the mesh: initialised (random, from the target's
-    last layers with ``drafter.init: target``, or the warm start's weights) and, with a draft
+    own layers with ``drafter.init: target``, or the warm start's weights) and, with a draft
     vocabulary, its ids chosen once (``draft_vocab.json`` in the run dir). A resume restores all of
     it from the checkpoint afterwards."""
     from dflash_jax import distributed
