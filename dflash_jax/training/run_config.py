@@ -115,7 +115,8 @@ class DrafterSection:
             if self.init != "target":
                 raise ValueError(
                     f"drafter.init_first_layer={self.init_first_layer} needs drafter.init=target "
-                    f"(got {self.init!r}): it names the target layers the drafter starts from"
+                    f"(got {self.init!r}): it names the target layers the drafter starts from; "
+                    "set drafter.init_first_layer=null with another init"
                 )
         require_attention_impl("drafter.attention_impl", self.attention_impl)
 
