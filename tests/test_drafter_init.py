@@ -16,6 +16,7 @@ import dflash_jax
 from dflash_jax.config_io import ConfigError
 from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.nested import flatten
 from dflash_jax.training.run_config import load_run_config
 from dflash_jax.training.setup import init_from_target_layers
 
@@ -36,16 +37,7 @@ def _started(target, taps, first_layer=None, num_layers=2):
     )
     drafter = init_drafter(cfg, target, 0)
     init_from_target_layers(drafter, target, first_layer=first_layer)
-    return {k: v for k, v in _flat(get_params(drafter))}
-
-
-def _flat(tree, prefix=""):
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            yield from _flat(v, name + ".")
-        else:
-            yield name, np.asarray(v, np.float32)
+    return {k: np.asarray(v, np.float32) for k, v in flatten(get_params(drafter)).items()}
 
 
 def _hf_layer_as_ours(hf, layer, heads, kv_heads, head_dim):
