@@ -71,6 +71,30 @@ def slot_targets(anchors, anchor_valid, loss_mask, segment_ids, block_size: int)
     return label_pos, trained
 
 
+# --------------------------------------------------------------------------- the greedy path
+#
+# Greedy speculative decoding needs slot k only once slots 1..k-1 were accepted, i.e. equal the
+# target's own choices. A dataset's reply leaves that path wherever its token differs from the
+# target's choice (~40 % of the demo's tokens), and a slot labelled after such a token learns what
+# the target says after a token decoding never drafts from. ``train.greedy_slots`` keeps those
+# slots out of the loss.
+
+
+def greedy_slots(input_ids, label_pos, labels):
+    """[R,A,B-1] bool: slot k is on the target's greedy path, i.e. every data token a+1..a+k-1
+    equals the label (the target's choice) of the slot before it; slot 1 always is.
+    ``input_ids`` [R,T]; ``label_pos`` [R,A,B-1] (a+k-1, ``slot_targets``); ``labels`` [R,A,B-1]
+    target ids, the loss's own (``ce``: the target's argmax; ``kl``: its argmax over the drafter's
+    vocabulary)."""
+    R, T = input_ids.shape
+    nxt = jnp.minimum(label_pos + 1, T - 1).reshape(R, -1)
+    data_tokens = jnp.take_along_axis(input_ids, nxt, axis=1).reshape(label_pos.shape)  # a+k
+    agree = (data_tokens == labels).astype(jnp.int32)
+    # slot k needs agreement at slots 1..k-1: an exclusive running product along the slots
+    before = jnp.concatenate([jnp.ones_like(agree[..., :1]), jnp.cumprod(agree, axis=-1)[..., :-1]], axis=-1)
+    return before == 1
+
+
 # --------------------------------------------------------------------------- label counts (host)
 
 

@@ -141,6 +141,9 @@ class TrainSection:
         "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
     )
     feature_noise_std: float = 0.0  # noise on the drafter's input features only, never on labels
+    # Slot k >= 2 trains only where the data's tokens a+1..a+k-1 are the target's own choices (the
+    # labels of slots 1..k-1), the only states greedy decoding drafts it from (training/anchors.py)
+    greedy_slots: bool = False
     remat: Literal["none", "full", "dots"] = "none"  # drafter forward recompute in backward
     micro_batches: int = 1  # gradient accumulation: the batch's rows in this many sequential passes
     seed: int = 0

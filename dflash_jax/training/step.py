@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.dtypes import to_dtype
-from dflash_jax.training.anchors import sample_anchors, slot_targets
+from dflash_jax.training.anchors import greedy_slots, sample_anchors, slot_targets
 from dflash_jax.training.loss import (
     block_metrics,
     chunked_token_loss,
@@ -108,6 +108,7 @@ def block_loss(
     position_labels=None,
     draft_vocab=None,
     draft_head=None,
+    input_ids=None,
 ):
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
@@ -121,6 +122,8 @@ def block_loss(
     of the loss, numerator and normaliser alike, and counted (``label_coverage``); ``kl``: the
     target's distribution restricted to the N ids and renormalised (over ``draft_head``, the
     drafter's already gathered ``lm_head[:, draft_vocab]``, when given: one gather per step).
+    input_ids [R,T]: the batch's tokens, for ``train.greedy_slots`` (a slot off the target's greedy
+    path carries no loss; ``anchors.greedy_slots``).
     """
     R, A, B, D = draft.shape
     label_pos, item_mask = slot_targets(anchors, anchor_valid, loss_mask, segment_ids, B)
@@ -161,7 +164,12 @@ def block_loss(
         labels = target_labels
     elif draft_vocab is not None:
         labels = jnp.take(draft_vocab, labels, axis=0)
-    trained = item_mask & in_vocab
+    covered = item_mask & in_vocab
+    trained = covered
+    if getattr(cfg, "greedy_slots", False):
+        if input_ids is None:
+            raise ValueError("train.greedy_slots needs the batch's input_ids in block_loss")
+        trained = covered & greedy_slots(input_ids, label_pos, labels.reshape(R, A, B - 1))
     correct = correct.reshape(R, A, B - 1) & in_vocab
     loss_sum = slot_loss_sum(
         loss_i.reshape(R, A, B - 1),
@@ -176,10 +184,11 @@ def block_loss(
         "streak": streak,
         "slot_acc": per_slot,
         "labels": labels.reshape(R, A, B - 1),
+        "trained": trained,
         "loss_sum": loss_sum,
         "loss_denominator": denominator,
         "slot_count": jnp.sum(item_mask, axis=(0, 1)),
-        "in_vocab_count": jnp.sum(trained),
+        "in_vocab_count": jnp.sum(covered),
     }
 
 
@@ -226,6 +235,7 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
         position_labels=position_labels,
         draft_vocab=draft_vocab,
         draft_head=head,
+        input_ids=batch["input_ids"],
     )
     metrics = {
         "loss_sum": extra["loss_sum"],
