@@ -92,19 +92,11 @@ def test_slots_off_the_greedy_path_carry_no_loss(tiny, batch_and_reference, kind
     )
     draft = jnp.zeros((2, 24, B, hidden.shape[-1]))
     trained = {}
+    mask, seg = batch["loss_mask"], batch["segment_ids"]
+    inputs = (draft, hidden, anchors, valid, mask, seg, target.lm_head_weight())
     for on in (False, True):
         cfg = TrainSection(max_anchors=24, loss=kind, loss_chunk=64, greedy_slots=on)
-        loss, extra = block_loss(
-            draft,
-            hidden,
-            anchors,
-            valid,
-            batch["loss_mask"],
-            batch["segment_ids"],
-            target.lm_head_weight(),
-            cfg,
-            input_ids=batch["input_ids"],
-        )
+        loss, extra = block_loss(*inputs, cfg, input_ids=batch["input_ids"])
         assert np.isfinite(float(loss))
         trained[on] = np.asarray(extra["trained"])
     item_mask = np.asarray(slot_targets(anchors, valid, batch["loss_mask"], batch["segment_ids"], B)[1])
