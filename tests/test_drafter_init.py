@@ -67,7 +67,9 @@ def test_the_drafter_starts_as_the_named_target_layers(target, target_dir, first
     for i, src in enumerate(copied):
         for name, want in _hf_layer_as_ours(hf, src, c.num_heads, c.num_kv_heads, c.head_dim).items():
             np.testing.assert_array_equal(params[f"layers.{i}.{name}"], want, err_msg=f"layer {i} {name}")
-    np.testing.assert_array_equal(params["hidden_norm.weight"], hf[f"model.layers.{copied[0]}.input_layernorm.weight"])
+    np.testing.assert_array_equal(
+        params["hidden_norm.weight"], hf[f"model.layers.{copied[0]}.input_layernorm.weight"]
+    )
     np.testing.assert_array_equal(params["norm.weight"], hf["model.norm.weight"])
 
 
@@ -86,7 +88,9 @@ def test_fc_selects_the_tap_that_is_the_first_copied_layers_input(target, taps, 
     D = target.config.hidden_size
     for k in range(len(taps)):
         block = fc[k * D : (k + 1) * D]
-        np.testing.assert_array_equal(block, np.eye(D) if k == selected else np.zeros((D, D)), err_msg=f"tap {k}")
+        np.testing.assert_array_equal(
+            block, np.eye(D) if k == selected else np.zeros((D, D)), err_msg=f"tap {k}"
+        )
 
 
 def test_a_start_past_the_target_is_refused_naming_the_field(target):

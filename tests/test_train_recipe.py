@@ -355,7 +355,7 @@ def test_learning_rate_matches_optax_schedule():
 
 
 class _Clock:
-    """Seconds that advance only when a step runs: 30 s to compile, then 2 s a step."""
+    """Seconds that advance only when a step runs (by what the test's step adds)."""
 
     def __init__(self):
         self.t = 0.0
@@ -364,17 +364,17 @@ class _Clock:
         return self.t
 
 
-def test_time_budget_sets_the_schedule_length():
-    """With a 1-minute budget and 2 s steps (after a 30 s compile), ~15 steps fit: the rate is
-    decayed by the last of them, although train.steps is 400."""
-    from dflash_jax.training.loop import TIMED_STEPS, train_loop
+def _timed_loop(step_seconds, limit_minutes: float, steps: int = 400):
+    """``train_loop`` with a fake clock: step n (1-based) takes ``step_seconds(n)`` seconds.
+    -> (the loop's result, the schedule lengths it reported, the rate of every step)."""
+    from dflash_jax.training.loop import train_loop
     from dflash_jax.training.run_config import TrainSection
 
     clock = _Clock()
     rates = []
 
     def train_step(drafter, optimizer, target, batch, key, lr):
-        clock.t += 30.0 if not rates else 2.0
+        clock.t += step_seconds(len(rates) + 1)
         rates.append(float(lr))
         return {
             "loss": jnp.float32(1.0),
@@ -403,7 +403,9 @@ def test_time_budget_sets_the_schedule_length():
             pass
 
     told = []
-    train = TrainSection(steps=400, warmup_steps=2, learning_rate=1e-3, time_limit_minutes=1.0, log_every=5)
+    train = TrainSection(
+        steps=steps, warmup_steps=2, learning_rate=1e-3, time_limit_minutes=limit_minutes, log_every=5
+    )
     done = train_loop(
         train,
         train_step=train_step,
@@ -418,12 +420,38 @@ def test_time_budget_sets_the_schedule_length():
         on_decay_steps=told.append,
         clock=clock,
     )
-    # 30 s compile + 2 s/step: after 1 + TIMED_STEPS steps (36 s), (60 - 36) / 2 = 12 more fit.
+    return done, told, rates
+
+
+def test_time_budget_sets_the_schedule_length():
+    """With a 1-minute budget and 2 s steps (after a 30 s compile), ~15 steps fit: the rate is
+    decayed by the last of them, although train.steps is 400."""
+    from dflash_jax.training.loop import TIMED_STEPS
+
+    done, told, rates = _timed_loop(lambda n: 30.0 if n == 1 else 2.0, 1.0)
+    # 30 s compile + 2 s/step: after 1 + TIMED_STEPS steps (36 s), (60 - 36) / 2 = 12 more fit; the
+    # second measurement (after 10 % of the budget) finds the same step time and changes nothing.
     assert told == [1 + TIMED_STEPS + 12] == [done.decay_steps]
     assert done.step == 17  # the budget check stops after the first step past 60 s
     assert rates[done.decay_steps - 1] < 0.12e-3, "decayed to ~end_lr by the last step that fits"
     assert rates[done.decay_steps] == rates[-1] == pytest.approx(1e-4), "end_lr past the estimate"
     assert rates[2] == pytest.approx(1e-3)  # warm-up done, peak
+
+
+def test_time_budget_measures_the_step_again_when_it_slows():
+    """The first steps after compiling run faster than the rest (checkpoint saves, logging): the
+    schedule's length is measured again after 10 % of the budget, so the rate still ends decayed."""
+    from dflash_jax.training.loop import REFINE_FRACTION
+
+    assert REFINE_FRACTION == 0.1
+    # 10 minutes: a 30 s compile, 10 steps of 1 s, then 1.25 s a step.
+    done, told, rates = _timed_loop(lambda n: 30.0 if n == 1 else 1.0 if n <= 11 else 1.25, 10.0, steps=2000)
+    # step 4 (33 s): 1 s a step, 4 + 567 fit; step 51 (90 s, 60 s after compiling): 1.2 s a step, 51 + 425
+    assert told == [571, 476] and done.decay_steps == 476
+    assert done.step == 460  # 40 + 1.25 * (460 - 11) > 600
+    # from the first estimate alone the last rate would be 1.84e-4 (80 % of the way down)
+    assert rates[-1] < 1.05e-4
+    assert rates[50] == pytest.approx(rates[49], rel=0.01), "no jump where the length changes"
 
 
 def test_run_minutes_leaves_training_what_the_evaluations_and_the_margin_do_not_take():

@@ -52,6 +52,7 @@ def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
         {
             "target": str(Path(target_dir).resolve()),
             "target_files": _stamp(Path(target_dir)),  # same path, new weights: a new key
+            "target_dtype": cfg.target.dtype,  # greedy answers differ between float32 and bfloat16
             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
             "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
             "regen": dataclasses.asdict(cfg.regen),
