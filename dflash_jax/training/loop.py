@@ -16,9 +16,10 @@ Learning rate: linear warm-up over ``train.warmup_steps``, then a cosine down to
 ``end_lr_ratio * learning_rate`` at the schedule's last step. That last step is ``train.steps``,
 or, with ``train.time_limit_minutes``, the number of steps that fit in the budget, estimated from
 the measured step time after compilation and ``TIMED_STEPS`` more steps, and once more after
-``REFINE_FRACTION`` of the budget (so a time-limited run ends with a decayed rate instead of
-stopping near its peak, or, from the first estimate alone, 8 % short of its last decayed step:
-the first steps run faster than the average one, which pays for checkpoint saves and logging).
+``REFINE_FRACTION`` of the budget, so a time-limited run ends with a decayed rate instead of
+stopping near its peak (the first steps run faster than the average one, which pays for
+checkpoint saves and logging: from the first estimate alone the demo's schedule was 8 % longer
+than its run).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class StopFlag:
 TIMED_STEPS = 3  # steps after the compiling one that time the step for the budget estimate
 # The estimate is taken again once this fraction of the time limit has been trained: its mean step
 # then includes checkpoint saves and logging. On the demo's 16.7 minutes (BENCHMARKS.md "The
-# schedule's length") steps 4-50 took 0.169 s, the whole run 0.178 s: the first estimate alone
+# schedule's length") steps 10-50 took 0.169 s, the whole run 0.178 s: the first estimate alone
 # decayed over 6,005 steps where 5,570 fit. A shift this early changes the rate by < 1 %.
 REFINE_FRACTION = 0.1
 
