@@ -244,8 +244,8 @@ def train_loop(
     last, in_a_row, skipped_total = {}, 0, 0
     limit = train.time_limit_minutes
     last_eval = t_train
-    estimate = decay_steps is None and limit is not None
-    refine = estimate  # a second estimate, over REFINE_FRACTION of the budget
+    # the schedule's length from the step time: after TIMED_STEPS, then over REFINE_FRACTION of the budget
+    estimates_left = 2 if decay_steps is None and limit is not None else 0
     decay_steps = train.steps if decay_steps is None else decay_steps
     try:
         while step < train.steps:
@@ -282,16 +282,17 @@ def train_loop(
             else:
                 window_tokens += int(metrics["tokens"])
             now = clock()
-            first = estimate and step - compiled_step >= TIMED_STEPS
-            again = refine and not estimate and now - compiled_at >= REFINE_FRACTION * 60 * limit
-            if first or again:
+            again = estimates_left == 1
+            if (estimates_left == 2 and step - compiled_step >= TIMED_STEPS) or (
+                again and now - compiled_at >= REFINE_FRACTION * 60 * limit
+            ):
+                estimates_left -= 1
                 fit = steps_that_fit(
                     step, now - t_train, (now - compiled_at) / (step - compiled_step), 60 * limit
                 )
                 warmup = min(train.warmup_steps, train.steps - 1)
                 new_decay = min(train.steps, max(fit, warmup + 1))
-                estimate, refine = False, refine and first
-                if first or new_decay != decay_steps:
+                if not again or new_decay != decay_steps:
                     decay_steps = new_decay
                     log.info(
                         "learning rate decays over %d steps (what fits in %.1f min%s)",
