@@ -6,6 +6,7 @@ K kv heads, H head_dim, F mlp width.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -211,15 +212,62 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-def swiglu_mlp(x, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None):
-    """x [B,T,D]; gate/up [D,F]; down [F,D]."""
-    g = jnp.einsum("BTD,DF->BTF", x, gate.astype(x.dtype))
-    u = jnp.einsum("BTD,DF->BTF", x, up.astype(x.dtype))
+def swiglu_mlp(x, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None, matmul_dtype=None):
+    """x [B,T,D]; gate/up [D,F]; down [F,D]; matmul_dtype: see ``project``."""
+    g = project("BTD,DF->BTF", x, gate, matmul_dtype)
+    u = project("BTD,DF->BTF", x, up, matmul_dtype)
     if gate_bias is not None:
         g = g + gate_bias.astype(x.dtype)
     if up_bias is not None:
         u = u + up_bias.astype(x.dtype)
-    y = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, down.astype(x.dtype))
+    y = project("BTF,FD->BTD", jax.nn.silu(g) * u, down, matmul_dtype)
     if down_bias is not None:
         y = y + down_bias.astype(x.dtype)
     return y
+
+
+def _transposed_specs(spec: str) -> tuple[str, str]:
+    """For ``"x,w->y"``: the specs of dx (``"y,w->x"``) and dw (``"x,y->w"``)."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x, w = inputs.split(",")
+    return f"{out},{w}->{x}", f"{x},{out}->{w}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _low_precision_project(spec, x, w, dtype):
+    out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def _low_precision_project_fwd(spec, x, w, dtype):
+    return _low_precision_project(spec, x, w, dtype), (x, w)
+
+
+def _low_precision_project_bwd(spec, dtype, residuals, ct):
+    x, w = residuals
+    ct, xl, wl = ct.astype(dtype), x.astype(dtype), w.astype(dtype)
+    dx_spec, dw_spec = _transposed_specs(spec)
+    dx = jnp.einsum(dx_spec, ct, wl, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.einsum(dw_spec, xl, ct, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+_low_precision_project.defvjp(_low_precision_project_fwd, _low_precision_project_bwd)
+
+
+def project(spec: str, x: jax.Array, w: jax.Array, matmul_dtype=None) -> jax.Array:
+    """``einsum(spec, x, w)``: a projection of activations x by a weight w, returned in x's dtype.
+
+    ``matmul_dtype`` (default x's dtype): the dtype the products are formed in (x and w cast to
+    it), summed in float32, forward and backward (the backward's cotangent is cast to it too).
+    bfloat16 here is what a bfloat16 einsum means, spelled so that XLA's CPU backend takes its
+    bfloat16 kernels (~4x its float32 rate on a CPU with AMX, BENCHMARKS.md "bfloat16 matmuls on
+    CPU"): a bfloat16 einsum with a bfloat16 result it computes as a float32 dot. Float32
+    activations with bfloat16 products is the usual mixed precision of training (float32 weights,
+    norms and residual stream). Every index of x and of w must appear in the other input or in
+    the output (true of projections): the two transposed einsums of the backward are then well formed.
+    """
+    dtype = jnp.dtype(matmul_dtype or x.dtype)
+    if dtype == jnp.float32 and x.dtype == jnp.float32:
+        return jnp.einsum(spec, x, w.astype(x.dtype))
+    return _low_precision_project(spec, x, w, dtype)

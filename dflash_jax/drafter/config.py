@@ -114,6 +114,10 @@ class DrafterConfig:
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
 
+    ``matmul_dtype``: the dtype the projections form their products in (summed in fp32;
+    ``layers.project``), None = ``compute_dtype``. Training sets it from ``train.compute_dtype``:
+    bfloat16 products over fp32 weights and activations.
+
     ``draft_vocab_size`` (invariant 9): None drafts over the target's whole vocabulary; N drafts
     over N chosen rows of the target's frozen lm_head (which rows: the drafter's ``draft_vocab``
     variable, chosen by ``training/draft_vocab.py``), mapped back to target ids when decoding.
@@ -143,6 +147,7 @@ class DrafterConfig:
     anchor_chunk: int = 16
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"
+    matmul_dtype: DtypeName | None = None
     draft_vocab_size: int | None = None
 
     def __post_init__(self):

@@ -22,7 +22,7 @@ from flax import nnx, struct
 from dflash_jax.drafter.attention import anchored_attention
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.drafter.masks import AnchoredMask
-from dflash_jax.layers import RMSNorm, apply_rope, param, rope_cos_sin, swiglu_mlp
+from dflash_jax.layers import RMSNorm, apply_rope, param, project, rope_cos_sin, swiglu_mlp
 from dflash_jax.sharding import constrain
 
 # ------------------------------------------------------------------------------------------
@@ -107,18 +107,19 @@ class DrafterAttention(nnx.Module):
         self.window = config.layer_window(layer)
         self.impl = config.attention_impl
         self.anchor_chunk = config.anchor_chunk
+        self.matmul_dtype = config.matmul_dtype
 
     def context_kv(self, ctx: jax.Array, cos: jax.Array, sin: jax.Array):
         """ctx [B, T, D] -> k, v [B, T, K, H] (k normed and roped at the context positions)."""
-        k = jnp.einsum("BTD,DKH->BTKH", ctx, self.k_proj[...].astype(ctx.dtype))
-        v = jnp.einsum("BTD,DKH->BTKH", ctx, self.v_proj[...].astype(ctx.dtype))
+        k = project("BTD,DKH->BTKH", ctx, self.k_proj[...], self.matmul_dtype)
+        v = project("BTD,DKH->BTKH", ctx, self.v_proj[...], self.matmul_dtype)
         return apply_rope(self.k_norm(k), cos, sin), v
 
     def __call__(self, x, k_ctx, v_ctx, slot_cos, slot_sin, mask: AnchoredMask):
         """x [B, A, S, D] (normed block states) -> [B, A, S, D]."""
-        q = jnp.einsum("BASD,DNH->BASNH", x, self.q_proj[...].astype(x.dtype))
-        k = jnp.einsum("BASD,DKH->BASKH", x, self.k_proj[...].astype(x.dtype))
-        v = jnp.einsum("BASD,DKH->BASKH", x, self.v_proj[...].astype(x.dtype))
+        q = project("BASD,DNH->BASNH", x, self.q_proj[...], self.matmul_dtype)
+        k = project("BASD,DKH->BASKH", x, self.k_proj[...], self.matmul_dtype)
+        v = project("BASD,DKH->BASKH", x, self.v_proj[...], self.matmul_dtype)
         q = apply_rope(self.q_norm(q), slot_cos, slot_sin)
         k = apply_rope(self.k_norm(k), slot_cos, slot_sin)
         o = anchored_attention(
@@ -133,7 +134,7 @@ class DrafterAttention(nnx.Module):
             impl=self.impl,
             anchor_chunk=self.anchor_chunk,
         )
-        return jnp.einsum("BASNH,NHD->BASD", o.astype(x.dtype), self.o_proj[...].astype(x.dtype))
+        return project("BASNH,NHD->BASD", o.astype(x.dtype), self.o_proj[...], self.matmul_dtype)
 
 
 class DrafterMLP(nnx.Module):
@@ -143,11 +144,16 @@ class DrafterMLP(nnx.Module):
         self.gate_proj = param(rngs, (D, F), ("embed", "mlp"), pdt)
         self.up_proj = param(rngs, (D, F), ("embed", "mlp"), pdt)
         self.down_proj = param(rngs, (F, D), ("mlp", "embed"), pdt)
+        self.matmul_dtype = config.matmul_dtype
 
     def __call__(self, x):
         lead = x.shape[:-1]
         y = swiglu_mlp(
-            x.reshape(lead[0], -1, x.shape[-1]), self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+            x.reshape(lead[0], -1, x.shape[-1]),
+            self.gate_proj[...],
+            self.up_proj[...],
+            self.down_proj[...],
+            matmul_dtype=self.matmul_dtype,
         )
         return y.reshape(*lead, -1)
 
@@ -217,7 +223,7 @@ class DFlashDrafter(nnx.Module):
                 f"{cfg.hidden_size} = {cfg.feature_size}"
             )
         x = features.astype(self.compute_dtype)
-        ctx = jnp.einsum("BTF,FD->BTD", x, self.fc[...].astype(x.dtype))
+        ctx = project("BTF,FD->BTD", x, self.fc[...], cfg.matmul_dtype)
         return constrain(self.hidden_norm(ctx), ("batch", "length", "act_embed"))
 
     def _rope(self, positions):
@@ -253,10 +259,9 @@ class DFlashDrafter(nnx.Module):
         ``head_weight`` (N = V without a draft vocabulary; + z-lab's output multiplier / soft-cap
         when configured). Decoding and the training loss both call this. ``compute_dtype``: the
         matmul's input dtype (default: hidden's); ``head``: ``head_weight(target)`` if at hand."""
-        if compute_dtype is not None:
-            hidden = hidden.astype(compute_dtype)
+        matmul_dtype = hidden.dtype if compute_dtype is None else compute_dtype
         w = self.head_weight(target) if head is None else head
-        out = jnp.einsum("...D,DN->...N", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        out = project("...D,DN->...N", hidden.astype(jnp.float32), w, matmul_dtype)
         if self.config.logit_scale != 1.0:
             out = out * self.config.logit_scale
         if self.config.logit_softcap is not None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu_mlp
+from dflash_jax.layers import apply_rope, param, project, rms_norm, rope_cos_sin, swiglu_mlp
 from dflash_jax.sharding import constrain
 from dflash_jax.target.attention import attend, cache_attention_mask, self_attention_mask
 from dflash_jax.target.config import DENSE_MLP, MOE_MLP, TargetConfig
@@ -311,9 +311,9 @@ class TargetModel(nnx.Module):
 
         def attention(p, h, kv, window):
             y = rms_norm(h, p["input_norm"], c.rms_norm_eps)
-            q = jnp.einsum("BTD,DNH->BTNH", y, p["q"])
-            k = jnp.einsum("BTD,DKH->BTKH", y, p["k"])
-            v = jnp.einsum("BTD,DKH->BTKH", y, p["v"])
+            q = project("BTD,DNH->BTNH", y, p["q"])
+            k = project("BTD,DKH->BTKH", y, p["k"])
+            v = project("BTD,DKH->BTKH", y, p["v"])
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             if c.qk_norm:
@@ -323,7 +323,7 @@ class TargetModel(nnx.Module):
             q = constrain(q, ("batch", "length", "act_heads", None))
             k, v, new_kv = cached_kv(kv, k, v, lengths)
             attn = attend(q, k, v, *mask, scale, sinks=p.get("sinks"), window=window if windowed else None)
-            out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
+            out = project("BTNH,NHD->BTD", attn, p["o"])
             if c.o_proj_bias:
                 out = out + p["o_bias"]
             return h + out, new_kv

@@ -327,7 +327,10 @@ def build_drafter_config(
     from dflash_jax.drafter.config import DrafterConfig
 
     d = cfg.drafter
-    impl = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk)
+    # train.compute_dtype: the dtype of the drafter's matmul products (fp32 weights and activations)
+    impl = dict(
+        attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk, matmul_dtype=cfg.train.compute_dtype
+    )
     if source is not None:
         extra = {}
         for name in SHAPE_FIELDS:
