@@ -124,6 +124,21 @@ def test_ce_labels_identity_follows_the_target_not_the_drafters_dtype():
     assert labels_identity(TrainSection(loss="kl")) == {"loss": "kl"}
 
 
+def test_target_fingerprint_is_the_files_content_not_when_they_were_prepared(tmp_path):
+    from dflash_jax.training.feature_cache import target_fingerprint
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / ".dflash_jax_prepared.json").write_text('{"created_unix": 1}')
+    first = target_fingerprint(tmp_path, "bfloat16")
+    (tmp_path / ".dflash_jax_prepared.json").write_text('{"created_unix": 2}')  # prepared again
+    assert target_fingerprint(tmp_path, "bfloat16") == first
+    assert sorted(first["files"]) == ["config.json", "model.safetensors"]
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert target_fingerprint(tmp_path, "bfloat16") != first
+    assert target_fingerprint(tmp_path, "float32")["dtype"] == "float32"
+
+
 def _write(tmp_path, rows=12, batch=4, rows_per_shard=8):
     """A small cache written through CacheWriter (two shards), and the rows it holds."""
     rng = np.random.default_rng(0)

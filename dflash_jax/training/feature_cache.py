@@ -94,8 +94,14 @@ def file_digest(path: Path) -> str:
 
 
 def target_fingerprint(target_dir: Path, dtype: str) -> dict:
-    """The files that define the target (config, weights) by content, and the dtype it ran in."""
-    files = sorted(p for p in Path(target_dir).iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
+    """The files that define the target (config, weights) by content, and the dtype it ran in.
+    Hidden files are not the target: ``.dflash_jax_prepared.json`` records when a prepared target
+    was written, which made every fresh preparation of the same weights a new cache key."""
+    files = sorted(
+        p
+        for p in Path(target_dir).iterdir()
+        if p.suffix in (".json", ".safetensors", ".gguf") and not p.name.startswith(".")
+    )
     return {"dtype": dtype, "files": {p.name: file_digest(p) for p in files}}
 
 
