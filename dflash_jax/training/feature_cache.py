@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.assets import file_sha256
+from dflash_jax.assets import file_sha256, model_files
 from dflash_jax.cli import UserError
 from dflash_jax.config_io import ConfigError
 from dflash_jax.dtypes import to_dtype
@@ -94,15 +94,8 @@ def file_digest(path: Path) -> str:
 
 
 def target_fingerprint(target_dir: Path, dtype: str) -> dict:
-    """The files that define the target (config, weights) by content, and the dtype it ran in.
-    Hidden files are not the target: ``.dflash_jax_prepared.json`` records when a prepared target
-    was written, which made every fresh preparation of the same weights a new cache key."""
-    files = sorted(
-        p
-        for p in Path(target_dir).iterdir()
-        if p.suffix in (".json", ".safetensors", ".gguf") and not p.name.startswith(".")
-    )
-    return {"dtype": dtype, "files": {p.name: file_digest(p) for p in files}}
+    """The files that define the target (``assets.model_files``) by content, and the dtype it ran in."""
+    return {"dtype": dtype, "files": {p.name: file_digest(p) for p in model_files(target_dir)}}
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

@@ -41,9 +41,8 @@ PROMPT_FIELDS = (
 
 
 def _stamp(directory: Path) -> list:
-    """(name, size, mtime) of the files that define a model directory."""
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
-    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    """(name, size, mtime) of the files that define a model directory (``assets.model_files``)."""
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in assets.model_files(directory)]
 
 
 def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
