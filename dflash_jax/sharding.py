@@ -121,12 +121,6 @@ def check_layout(
             f"mesh.data={mesh.data}, mesh.fsdp={mesh.fsdp}, mesh.tensor={mesh.tensor} do not fit "
             f"{n} devices ({e}); -1 takes the devices left"
         ) from None
-    if batch_rows % (data * fsdp):
-        raise LayoutError(
-            f"data.batch_size={batch_rows} rows cannot be split over mesh data x fsdp = {data} x {fsdp} = "
-            f"{data * fsdp} devices (rows are sharded over both): make data.batch_size a multiple of "
-            f"{data * fsdp}, or change mesh.data/mesh.fsdp"
-        )
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for axis, dim, value in dims:
         size = int(np.prod([sizes[a] for a in axis.split("*")]))
@@ -134,6 +128,12 @@ def check_layout(
             raise LayoutError(
                 f"layout {layout_text(mesh)}: mesh axis {axis}={size} does not divide {dim}={value}"
             )
+    if batch_rows % (data * fsdp):
+        raise LayoutError(
+            f"data.batch_size={batch_rows} rows cannot be split over mesh data x fsdp = {data} x {fsdp} = "
+            f"{data * fsdp} devices (rows are sharded over both): make data.batch_size a multiple of "
+            f"{data * fsdp}, or change mesh.data/mesh.fsdp"
+        )
     return data, fsdp, tensor
 
 
