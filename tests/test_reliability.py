@@ -767,7 +767,7 @@ def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_pat
         ["--config", "tiny", f"output_dir={tmp_path / 'run'}", "--quiet", "data.shards=3"], capsys
     )
     assert rc == 2 and len(errors) == 1 and "data.shards=3" in errors[0], errors
-    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1"]):
+    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"]):
         rc = mesh_experiment.main([*argv, "--out", str(tmp_path / "mesh")])
         errors = _errors(capsys)
         assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)
