@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from fixtures import stub_target_config  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_fixtures import zlab_drafter_config  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
-from transformers import Qwen3Config  # noqa: E402
 
 from convert.zlab_drafter import WEIGHTS_FILE, write_zlab_drafter  # noqa: E402
 from dflash_jax.drafter.api import get_params, init_drafter, set_params  # noqa: E402
@@ -43,20 +43,15 @@ VARIANTS = {
 
 
 def zlab_config(**extra):
-    return Qwen3Config(
-        hidden_size=D,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    return zlab_drafter_config(
+        mask_token_id=V - 1,
+        target_layer_ids=LAYER_IDS,
         num_target_layers=6,
         block_size=S,
-        dflash_config={"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS},
+        hidden_size=D,
+        vocab_size=V,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         **extra,
     )
 
