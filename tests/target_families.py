@@ -79,6 +79,14 @@ def checkpoint(tmp_path_factory, name: str, layout: str | None = None) -> tuple[
     return _CHECKPOINTS[name, layout]
 
 
+def layout_configs(tmp_path_factory, name: str) -> list:
+    """Our ``TargetConfig`` of the family's checkpoint in each of its layouts."""
+    from dflash_jax.target.config import TargetConfig
+
+    layouts = FAMILIES[name].layouts
+    return [TargetConfig.from_pretrained(checkpoint(tmp_path_factory, name, x)[0]) for x in layouts]
+
+
 def hf_reference(model, ids):
     """transformers' forward -> (its output with hidden_states, raw) where raw[i] is the raw
     (pre-norm) output of decoder layer i and raw[f"router{i}"] the top-k expert ids of layer i's
@@ -219,3 +227,22 @@ def assert_same_tensors(got: dict, want: dict):
     assert set(got) == set(want)
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def run_mesh_experiment(config: str, layouts, overrides, out: Path, capsys) -> tuple[str, dict]:
+    """``mesh_experiment`` on run config ``config`` (with ``overrides``) over ``layouts`` on 8
+    simulated devices, 128-token rows of 8 -> (what it printed, its layouts.csv rows by layout)."""
+    import csv
+
+    from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
+
+    rc = mesh_experiment_main(
+        [
+            "--config", config, "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8",
+            "--layouts", *layouts, "--out", str(out), *overrides,
+        ]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    with open(out / "layouts.csv") as f:
+        return text, {r["layout"]: r for r in csv.DictReader(f)}

@@ -94,6 +94,23 @@ def zlab_call(model, feats, noise, positions, cache=None):
     return out.numpy()
 
 
+def draft_after_context(drafter, rng, C):
+    """One draft block after a context of C random target features (a fresh cache) -> (the
+    drafter's output, its cache, (features, noise embeddings, positions) for the reference)."""
+    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
+    noise = rng.normal(size=(1, S, D)).astype(np.float32)
+    pos = np.arange(C + S)[None]
+    out, cache = infer(
+        drafter,
+        jnp.asarray(feats),
+        jnp.asarray(pos[:, :C]),
+        jnp.asarray(noise),
+        jnp.asarray(pos[:, C:]),
+        init_cache(drafter.config, 1, 256),
+    )
+    return out, cache, (feats, noise, pos)
+
+
 def test_loaded_config_mirrors_zlab(zlab):
     drafter = load_drafter(zlab.path, TARGET)
     cfg, ref = drafter.config, zlab.model
@@ -108,20 +125,11 @@ def test_one_draft_after_long_context(zlab):
     drafter = load_drafter(zlab.path, TARGET)
     rng = np.random.default_rng(1)
     C = 160
-    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
-    noise = rng.normal(size=(1, S, D)).astype(np.float32)
-    pos = np.arange(C + S)[None]
-    ref = zlab_call(zlab.model, feats, noise, pos)
-    out, cache = infer(
-        drafter,
-        jnp.asarray(feats),
-        jnp.asarray(pos[:, :C]),
-        jnp.asarray(noise),
-        jnp.asarray(pos[:, C:]),
-        init_cache(drafter.config, 1, 256),
-    )
+    out, cache, (feats, noise, pos) = draft_after_context(drafter, rng, C)
     assert int(cache.lengths[0]) == C
-    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), zlab_call(zlab.model, feats, noise, pos), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_multistep_decode_with_cache_and_crop(zlab):
@@ -234,18 +242,7 @@ def test_exported_drafter_loads_in_zlab(zlab, tmp_path):
     for i, layer in enumerate(ref_model.layers):
         assert layer.self_attn.is_causal == drafter.config.layer_causal(i)
         assert layer.self_attn.sliding_window == drafter.config.layer_window(i)
-    C = 130
-    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
-    noise = rng.normal(size=(1, S, D)).astype(np.float32)
-    pos = np.arange(C + S)[None]
-    out, _ = infer(
-        drafter,
-        jnp.asarray(feats),
-        jnp.asarray(pos[:, :C]),
-        jnp.asarray(noise),
-        jnp.asarray(pos[:, C:]),
-        init_cache(drafter.config, 1, 256),
-    )
+    out, _, (feats, noise, pos) = draft_after_context(drafter, rng, 130)
     np.testing.assert_allclose(np.asarray(out), zlab_call(ref_model, feats, noise, pos), atol=1e-5, rtol=1e-5)
     # And bf16 export: the written file really is bf16 and reloads close to the original.
     write_zlab_drafter(tmp_path / "bf16", drafter.config, get_params(drafter))

@@ -20,6 +20,7 @@ from target_families import (
     assert_same_tensors,
     checkpoint,
     hf_reference,
+    layout_configs,
     rewrite_safetensors,
     run_packed,
     run_target,
@@ -34,8 +35,7 @@ LAYER_IDS = FAMILIES["qwen3_moe"].layer_ids
 
 
 def test_config_names_the_moe_and_dense_layers(tmp_path_factory):
-    for layout in FAMILIES["qwen3_moe"].layouts:
-        c = TargetConfig.from_pretrained(checkpoint(tmp_path_factory, "qwen3_moe", layout)[0])
+    for c in layout_configs(tmp_path_factory, "qwen3_moe"):
         assert c.model_type == "qwen3_moe" and c.moe_layers == (0, 2, 3) and c.norm_topk_prob
 
 

@@ -19,6 +19,7 @@ from target_families import (
     biased_towards,
     checkpoint,
     hf_reference,
+    layout_configs,
     ragged_prompts,
     run_packed,
     run_target,
@@ -26,14 +27,12 @@ from target_families import (
 
 import dflash_jax
 from dflash_jax.sharding import MeshConfig, make_mesh
-from dflash_jax.target.config import TargetConfig
 
 LAYER_IDS = FAMILIES["qwen3_5_moe"].layer_ids
 
 
 def test_config_is_a_hybrid_with_a_shared_expert(tmp_path_factory):
-    for layout in FAMILIES["qwen3_5_moe"].layouts:
-        c = TargetConfig.from_pretrained(checkpoint(tmp_path_factory, "qwen3_5_moe", layout)[0])
+    for c in layout_configs(tmp_path_factory, "qwen3_5_moe"):
         assert c.model_type == "qwen3_5_moe" and c.is_hybrid and c.shared_expert_intermediate_size == 48
 
 

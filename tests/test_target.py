@@ -107,6 +107,14 @@ def good_dir(tmp_path_factory):
     return save_hf_model("qwen3", tmp_path_factory.mktemp("good"), seed=8)
 
 
+def _with_config(src, dst, **changes):
+    """A copy of checkpoint ``src`` at ``dst`` with ``changes`` written into its config.json."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
 def test_missing_tensor_is_named(good_dir, tmp_path):
     bad = rewrite_safetensors(
         good_dir, tmp_path / "bad", lambda t: t.pop("model.layers.2.mlp.up_proj.weight")
@@ -135,21 +143,14 @@ def test_wrong_shape_is_named(good_dir, tmp_path):
 
 
 def test_unsupported_model_type(good_dir, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(good_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["model_type"] = "mixtral"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(good_dir, tmp_path / "bad", model_type="mixtral")
     with pytest.raises(ValueError, match="unsupported model_type 'mixtral'"):
         dflash_jax.load_target(bad)
 
 
 def test_unsupported_rope_scaling(good_dir, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(good_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
-    (bad / "config.json").write_text(json.dumps(cfg))
+    rope = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
+    bad = _with_config(good_dir, tmp_path / "bad", rope_parameters=rope)
     with pytest.raises(ValueError, match="rope_type: unknown 'longrope'"):
         dflash_jax.load_target(bad)
 
