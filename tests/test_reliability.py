@@ -59,25 +59,15 @@ def _data_cfg(path, **kw):
 @pytest.fixture(scope="module")
 def tiny_models():
     """A tiny random Qwen3-style target and a one-layer drafter (no files, no torch)."""
+    from fixtures import tiny_target_config
+
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.drafter.config import DrafterConfig
     from dflash_jax.layers import RopeConfig
-    from dflash_jax.target.config import TargetConfig
     from dflash_jax.target.model import TargetModel
 
-    tc = TargetConfig(
-        model_type="qwen3",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        rope=RopeConfig(theta=1e6),
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
+    tc = tiny_target_config(
+        num_layers=4, rope=RopeConfig(theta=1e6), tie_word_embeddings=True, max_position_embeddings=512
     )
     target = TargetModel(tc, rngs=nnx.Rngs(0))
     dcfg = DrafterConfig.for_target(tc, num_layers=1, mask_token_id=255, block_size=4)
