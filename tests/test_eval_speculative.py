@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 from hf_fixtures import make_hf_model, prompt_ids
+from target_families import biased_towards, favouring_mask_token
 
 from dflash_jax.decoding.generate import generate
 from dflash_jax.decoding.sampling import SamplingConfig
@@ -53,19 +54,8 @@ def setup(tmp_path_factory):
 
     hf = make_hf_model("qwen3")
     prompts = _prompts()
-    with torch.no_grad():
-        hs = torch.cat(
-            [hf(torch.tensor(p)[None], output_hidden_states=True).hidden_states[-1][0] for p in prompts]
-        )
-        mean_h = hs.mean(0)
-        w = hf.lm_head.weight
-        w[C] = ALPHA * mean_h / mean_h.norm() * w.norm(dim=1).mean()
-        # Mask token: the embedding row whose normed vector most favours C through lm_head.
-        e = hf.model.embed_tokens.weight
-        logits = (e / e.pow(2).mean(1, keepdim=True).sqrt()) @ w.T
-        others = logits.clone()
-        others[:, C] = -1e9
-        mask = int((logits[:, C] - others.max(1).values).argmax())
+    biased_towards(hf, prompts, C, ALPHA)
+    mask = favouring_mask_token(hf, C)
     d = tmp_path_factory.mktemp("biased_target")
     hf.save_pretrained(d)
     target = dflash_jax.load_target(d)
