@@ -123,6 +123,10 @@ def test_prepared_dir_layout_and_recovery(cache):
     assert cfg["tie_word_embeddings"] is True
     assert "quantization_config" not in cfg
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
+    # What --plan describes SmolLM2 by without converting it: the architecture the conversion writes.
+    from dflash_jax.target.config import TargetConfig
+
+    assert TargetConfig.from_hf_dict(sm.ARCHITECTURE) == TargetConfig.from_pretrained(path)
 
     # Plain fp32 state dict; the tied lm_head is not stored, as in the original HF repo.
     from safetensors import safe_open
@@ -271,7 +275,7 @@ def test_tokenizer_chat_template_and_roundtrip(cache, converted):
     assert tok.eos_token == "<|im_end|>"
     assert tok.eos_token_id == cfg["eos_token_id"] == gen["eos_token_id"] == model.config.eos_token_id == 2
     assert tok.bos_token_id == cfg["bos_token_id"] == 1
-    assert len(tok) == cfg["vocab_size"] == 49152
+    assert len(tok) == cfg["vocab_size"] == sm.TOKENIZER_SIZE == 49152
     assert tok.model_max_length == cfg["max_position_embeddings"] == 8192
 
     text = tok.apply_chat_template(CHAT[1:2], add_generation_prompt=True, tokenize=False)
