@@ -432,8 +432,27 @@ def test_every_cli_reports_expected_errors_the_same_way(tmp_path, capsys):
     cases = [
         (drafter_to_hf.main, ["--checkpoint", missing, "--out", str(tmp_path / "o1")]),
         (hf_to_drafter.main, ["--hf", missing, "--out", str(tmp_path / "o2")]),
-        (eval_cli.main, ["--drafter", missing, "--target", missing, "--prompts", missing]),
-        (regenerate.main, ["--target", missing, "--data", missing, "--out", str(tmp_path / "o3.jsonl")]),
+        (
+            eval_cli.main,
+            [
+                "--config",
+                "tiny",
+                f"target.path={missing}",
+                f"eval.drafter={missing}",
+                f"eval.prompts={missing}",
+            ],
+        ),
+        (
+            regenerate.main,
+            [
+                "--config",
+                "tiny",
+                f"target.path={missing}",
+                f"data.sources={missing}",
+                "--out",
+                str(tmp_path / "o3.jsonl"),
+            ],
+        ),
     ]
     for fn, argv in cases:
         rc = fn(argv)
@@ -562,7 +581,15 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     from dflash_jax import regenerate
 
     target = _tiny_target_with_tokenizer(tmp_path / "target")
-    base = ["--target", str(target), "--data", chats, "--num-prompts", "2", "--max-new-tokens", "2"]
+    base = [
+        "--config",
+        "tiny",
+        f"target.path={target}",
+        "target.tokenizer=null",  # the target dir's own tokenizer
+        f"data.sources={chats}",
+        "regen.num_prompts=2",
+        "regen.max_new_tokens=2",
+    ]
     out = tmp_path / "regen.jsonl"
     out.write_bytes(b"hours of GPU time\n")
     assert regenerate.main([*base, "--out", str(out)]) == 2
@@ -571,7 +598,7 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     assert out.read_bytes() == b"hours of GPU time\n"
 
     empty = tmp_path / "empty.jsonl"
-    assert regenerate.main([*base, "--out", str(empty), "--max-prompt-tokens", "1"]) == 2
+    assert regenerate.main([*base, "--out", str(empty), "regen.max_prompt_tokens=1"]) == 2
     errors = _errors(capsys)
     assert len(errors) == 1 and "nothing to write" in errors[0] and "over the length limit" in errors[0]
     assert not empty.exists()
@@ -588,7 +615,7 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     for fn, argv, flag in [
         (
             eval_cli.main,
-            ["--drafter", missing, "--target", missing, "--prompts", missing, "--json", str(report)],
+            ["--config", "tiny", f"eval.drafter={missing}", f"eval.prompts={missing}", "--json", str(report)],
             "--json",
         ),
         (
@@ -602,7 +629,8 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
         assert len(errors) == 1 and f"{flag} " in errors[0] and "--overwrite" in errors[0], errors
     assert report.read_text() == "{}" and (tmp_path / "mesh" / "layouts.csv").read_text() == "mine"
 
-    sampled = ["--temperature", "1.0", "--max-new-tokens", "8"]  # the random target's greedy answer is blank
+    # the random target's greedy answer is blank
+    sampled = ["regen.temperature=1.0", "regen.max_new_tokens=8"]
     assert regenerate.main([*base, *sampled, "--out", str(out), "--overwrite"]) == 0
     assert out.read_bytes() != b"hours of GPU time\n" and sources.read_chat_jsonl(out)
 
