@@ -10,7 +10,7 @@ Writes ``prompts.json`` (``eval``: the run's held-out prompt ids, the ones its e
 ``train``: the training prompts) and ``regen.json`` (prompt ids + reply ids, tokenized as our data
 pipeline does, truncated at ``data.max_length``), which ref_train.py then reads instead of drawing
 and regenerating its own; and ``heldout_prompts.jsonl`` (``input_ids`` lines) for
-``python -m dflash_jax.eval --prompts`` on the reference's drafter.
+``python -m dflash_jax.eval eval.prompts=FILE`` on the reference's drafter.
 """
 
 from __future__ import annotations
