@@ -13,7 +13,6 @@ regenerated data, drafter taps): build the cache with the config (and overrides)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -43,8 +42,8 @@ def build(
     import jax
 
     from dflash_jax.sharding import make_mesh
-    from dflash_jax.training import feature_cache, setup
-    from dflash_jax.training.assembly import assemble
+    from dflash_jax.training import feature_cache
+    from dflash_jax.training.assembly import assemble, load_parts
 
     t0 = time.perf_counter()
     if jax.process_count() > 1:
@@ -57,15 +56,11 @@ def build(
         )
     if cfg.data.features:
         log.info("data.features=%s is ignored while building a cache", cfg.data.features)
-    setup.check_data_sources(cfg)
-    # Built online, whatever data.features says: the shards' layout applies.
-    online = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, features=None, features_minutes=None)
-    )
-    setup.check_layout(online, jax.device_count(), 1)
+    # The same parts the trainer resolves (a tiny target is made under output_dir, as by train);
+    # built online, whatever data.features says: the shards' layout applies.
+    parts = assemble(cfg, building_features=True)
     mesh = make_mesh(cfg.mesh)
-    # The same parts the trainer resolves (a tiny target is made under output_dir, as by train).
-    parts = assemble(cfg, mesh=mesh)
+    parts = load_parts(cfg, parts, mesh=mesh)
     manifest = feature_cache.write_cache(
         cfg,
         parts.data,

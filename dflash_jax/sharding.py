@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dflash_jax.config_io import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
@@ -92,6 +94,73 @@ class MeshConfig:
                 f"MeshConfig {self}: data*fsdp*tensor = {int(np.prod(sizes))} but {num_devices} devices"
             )
         return tuple(sizes)
+
+
+class LayoutError(ConfigError):
+    """A mesh layout that cannot run this batch or model: names the dimension and the mesh axis."""
+
+
+def check_layout(
+    mesh: MeshConfig, available_devices: int, *, batch_rows: int, dims: Sequence[tuple] = ()
+) -> tuple[int, int, int]:
+    """The one layout check, for a run's mesh and for each layout a plan describes: ``mesh``
+    resolved over ``mesh.num_devices`` (else all ``available_devices``), the batch's rows split over
+    data x fsdp, and each ``(axis, dimension, size)`` of ``dims`` (``sharded_dims``) divided by its
+    mesh axes. Returns the (data, fsdp, tensor) sizes; raises LayoutError naming what does not fit."""
+    n = available_devices
+    if mesh.num_devices is not None:
+        if not 1 <= mesh.num_devices <= available_devices:
+            raise LayoutError(
+                f"mesh.num_devices={mesh.num_devices} but {available_devices} devices are available"
+            )
+        n = mesh.num_devices
+    try:
+        data, fsdp, tensor = mesh.resolve(n)
+    except ValueError as e:
+        raise LayoutError(
+            f"mesh.data={mesh.data}, mesh.fsdp={mesh.fsdp}, mesh.tensor={mesh.tensor} do not fit "
+            f"{n} devices ({e}); -1 takes the devices left"
+        ) from None
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for axis, dim, value in dims:
+        size = int(np.prod([sizes[a] for a in axis.split("*")]))
+        if size > 1 and value % size:
+            raise LayoutError(
+                f"layout {layout_text(mesh)}: mesh axis {axis}={size} does not divide {dim}={value}"
+            )
+    if batch_rows % (data * fsdp):
+        raise LayoutError(
+            f"data.batch_size={batch_rows} rows cannot be split over mesh data x fsdp = {data} x {fsdp} = "
+            f"{data * fsdp} devices (rows are sharded over both): make data.batch_size a multiple of "
+            f"{data * fsdp}, or change mesh.data/mesh.fsdp"
+        )
+    return data, fsdp, tensor
+
+
+def sharded_dims(target_config, drafter_config) -> list[tuple[str, str, int]]:
+    """(mesh axis, dimension, size) of every model dimension a layout splits evenly for the plans
+    (``DEFAULT_RULES``). A run places a dimension that does not divide replicated (``spec_fits``);
+    the planner refuses such a layout, which wastes its axis."""
+    t, d = target_config, drafter_config
+    dims = [
+        ("tensor", "num_heads (target)", t.num_heads),
+        ("tensor", "num_kv_heads (target)", t.num_kv_heads),
+        ("tensor", "intermediate_size (target)", t.intermediate_size),
+        ("tensor", "num_heads (drafter)", d.num_heads),
+        ("tensor", "num_kv_heads (drafter)", d.num_kv_heads),
+        ("tensor", "intermediate_size (drafter)", d.intermediate_size),
+        ("fsdp", "hidden_size", t.hidden_size),
+    ]
+    if t.is_hybrid:  # Gated DeltaNet: q|k|v channels split by key head (value heads follow)
+        dims.insert(3, ("tensor", "linear_num_key_heads (target)", t.linear_num_key_heads))
+    if getattr(t, "is_moe", False):  # whole experts over fsdp x tensor (target/moe.py, docs/mesh.md)
+        dims.insert(3, ("fsdp*tensor", "num_experts (target)", t.num_experts))
+    return dims
+
+
+def layout_text(config: MeshConfig) -> str:
+    """'data=2,tensor=4': the axes of a layout that are not 1."""
+    return ",".join(f"{a}={getattr(config, a)}" for a in MESH_AXES if getattr(config, a) != 1) or "data=1"
 
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:

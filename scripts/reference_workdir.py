@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.decoding.prompts import encode_prompt
     from dflash_jax.training.evaluation import heldout_prompt_ids
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import resolve_target
+    from dflash_jax.training.assembly import resolve_tokenizer_dir
 
     cfg = load_run_config(args.config, args.overrides)
-    _, tok_dir = resolve_target(cfg, args.out)
+    tok_dir = resolve_tokenizer_dir(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     eot = cfg.data.eot_token or chat.end_of_turn_token(tokenizer, chat_template=cfg.data.chat_template)
 

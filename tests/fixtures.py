@@ -1,4 +1,5 @@
-"""Test doubles shared by several test files: duck-typed stub targets and their configs."""
+"""Test doubles shared by several test files: duck-typed stub targets and their configs, and the
+tiny dense target config built without a checkpoint."""
 
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ def stub_target_config(**overrides) -> types.SimpleNamespace:
     )
     base.update(overrides)
     return types.SimpleNamespace(**base)
+
+
+def tiny_target_config(**overrides):
+    """A tiny Qwen3-style ``TargetConfig`` for models built in memory (no files, no torch):
+    D=32, 4 query and 2 KV heads of 8, MLP 64, 3 layers, V=256."""
+    from dflash_jax.target.config import TargetConfig
+
+    base = dict(
+        model_type="qwen3",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+    )
+    return TargetConfig(**{**base, **overrides})
 
 
 class StubTarget:

@@ -51,6 +51,26 @@ def tiny_hf_config(kind: str):
     raise ValueError(kind)
 
 
+def zlab_drafter_config(*, mask_token_id, target_layer_ids, num_target_layers, block_size, **overrides):
+    """The ``transformers.Qwen3Config`` of a tiny z-lab DFlash drafter (``dflash.model.DFlashDraftModel``):
+    TINY_COMMON's width with 2 layers of 4 heads of 16 and an MLP of 96, ``overrides`` on top."""
+    import transformers
+
+    base = dict(
+        TINY_COMMON,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    return transformers.Qwen3Config(
+        **{**base, **overrides},
+        num_target_layers=num_target_layers,
+        block_size=block_size,
+        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
+    )
+
+
 def make_hf_model(kind: str, seed: int = 0):
     import torch
     import transformers
@@ -59,12 +79,45 @@ def make_hf_model(kind: str, seed: int = 0):
     config = tiny_hf_config(kind)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # Random (not default-initialised) norms and biases, so a missed or swapped one shows up.
+    return randomise(model, ((ends("norm.weight"), normal(1.0, 0.2)), (ends(".bias"), normal(0.0, 0.1))))
+
+
+def ends(*suffixes):
+    """A parameter rule's test: the name ends with one of ``suffixes``."""
+    return lambda name, p: name.endswith(suffixes)
+
+
+def normal(mean: float, std: float):
+    """A parameter rule's draw: mean + std * N(0, 1), one draw per element."""
+
+    def draw(p):
+        import torch
+
+        return mean + std * torch.randn_like(p)
+
+    return draw
+
+
+def uniform(low: float, high: float):
+    def draw(p):
+        import torch
+
+        return torch.empty_like(p).uniform_(low, high)
+
+    return draw
+
+
+def randomise(model, rules):
+    """Redraw the parameters of ``model`` in place by ``rules``, (matches(name, parameter), draw)
+    pairs: the first rule that matches a parameter draws its new value, in the order of
+    ``named_parameters`` (so one seed gives one model); an unmatched one keeps its initial value."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+            draw = next((draw for matches, draw in rules if matches(name, p)), None)
+            if draw is not None:
+                p.copy_(draw(p))
     return model
 
 

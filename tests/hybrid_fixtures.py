@@ -4,15 +4,11 @@ the text-only layout (Qwen3_5ForCausalLM, ``model.*``) and the vision-language o
 
 from __future__ import annotations
 
-from pathlib import Path
+from hf_fixtures import TINY_COMMON, ends, normal, randomise, uniform
 
 TINY_HYBRID = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=112,
+    TINY_COMMON,
     num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=32,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -20,12 +16,20 @@ TINY_HYBRID = dict(
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     full_attention_interval=3,  # layers: lin lin full lin lin full
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
     tie_word_embeddings=False,
 )
 TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+
+# Random norms, decays and gates, so a missed (1 + w), a swapped A_log/dt_bias or a wrong conv tap
+# shows up (the first rule that matches a parameter draws it).
+HYBRID_RULES = (
+    (ends("linear_attn.norm.weight"), normal(1.0, 0.2)),
+    (ends("norm.weight"), normal(0.0, 0.2)),  # zero-centred: the layer scales by (1 + w)
+    (ends("dt_bias"), normal(0.0, 0.5)),
+    (ends("A_log"), uniform(-2.0, 1.0)),
+    (ends("conv1d.weight"), normal(0.0, 0.5)),
+)
 
 
 def make_hybrid_model(layout: str = "text", seed: int = 0, **overrides):
@@ -44,31 +48,10 @@ def make_hybrid_model(layout: str = "text", seed: int = 0, **overrides):
         model = transformers.Qwen3_5ForConditionalGeneration(cfg)
     else:
         raise ValueError(layout)
-    model = model.float().eval()
-    # Random norms, decays and gates, so a missed (1 + w), a swapped A_log/dt_bias or a wrong
-    # conv tap shows up.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-    return model
+    return randomise(model.float().eval(), HYBRID_RULES)
 
 
 def text_model(model):
     """The decoder (its ``.layers``) of either layout."""
     inner = model.model
     return inner.language_model if hasattr(inner, "language_model") else inner
-
-
-def save_hybrid_model(directory: Path, layout: str = "text", seed: int = 0, **overrides):
-    model = make_hybrid_model(layout, seed, **overrides)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model

@@ -6,39 +6,30 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from hf_fixtures import TINY_COMMON, ends, normal, randomise
+from hybrid_fixtures import HYBRID_RULES, TINY_HYBRID, TINY_VISION
 
 TINY_QWEN3_MOE = dict(
-    vocab_size=512,
-    hidden_size=64,
+    TINY_COMMON,
     intermediate_size=96,  # the dense MLP of mlp_only_layers
     moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,
     decoder_sparse_step=1,
     mlp_only_layers=[1],  # layers: moe dense moe moe
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     tie_word_embeddings=False,
 )
 
 TINY_GPT_OSS = dict(
-    vocab_size=512,
-    hidden_size=64,
+    TINY_COMMON,  # 4 layers: sliding full sliding full
     intermediate_size=32,  # each expert's width
-    num_hidden_layers=4,  # sliding full sliding full
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     num_local_experts=8,
     num_experts_per_tok=2,
     sliding_window=128,
-    max_position_embeddings=4096,
     rms_norm_eps=1e-5,
     rope_parameters={
         "rope_type": "yarn",
@@ -54,24 +45,20 @@ TINY_GPT_OSS = dict(
 )
 
 
-def _randomise(model, router_std: float = 1.0):
-    """Random norms, biases, sinks and a sharp router (well-separated choices, so a tiny float
-    difference cannot flip one; ties are tested on purpose elsewhere)."""
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight") or name.endswith("router.weight"):
-                p.copy_(router_std * torch.randn_like(p))
-            elif name.endswith("bias") or name.endswith("sinks"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "experts" in name and p.ndim == 3:
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):  # an O(1) residual stream, as in real models
-                p.copy_(torch.randn_like(p))
-    return model
+# A sharp router (well-separated choices, so a tiny float difference cannot flip one; ties are
+# tested on purpose elsewhere), experts of O(0.1) and an O(1) residual stream, as in real models.
+MOE_RULES = (
+    (ends("mlp.gate.weight", "router.weight"), normal(0.0, 1.0)),
+    (lambda n, p: "experts" in n and p.ndim == 3, normal(0.0, 0.1)),
+    (ends("embed_tokens.weight"), normal(0.0, 1.0)),
+)
+# Random norms, biases and sinks besides.
+QWEN3_MOE_RULES = (
+    (ends("norm.weight"), normal(1.0, 0.2)),
+    MOE_RULES[0],
+    (ends("bias", "sinks"), normal(0.0, 0.5)),
+    *MOE_RULES[1:],
+)
 
 
 def make_qwen3_moe(seed: int = 0, **overrides):
@@ -80,7 +67,9 @@ def make_qwen3_moe(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     cfg = transformers.Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
-    return _randomise(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+    return randomise(
+        transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), QWEN3_MOE_RULES
+    )
 
 
 def make_gpt_oss(seed: int = 0, **overrides):
@@ -91,7 +80,7 @@ def make_gpt_oss(seed: int = 0, **overrides):
     cfg = transformers.GptOssConfig(**{**TINY_GPT_OSS, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
-    return _randomise(model)
+    return randomise(model, QWEN3_MOE_RULES)
 
 
 def save_fused(model, directory: Path) -> Path:
@@ -116,8 +105,6 @@ def quantize_mxfp4(w: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def qwen3_5_moe_text_config(**overrides) -> dict:
-    from hybrid_fixtures import TINY_HYBRID
-
     text = {k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}
     return {
         **text,
@@ -133,7 +120,6 @@ def make_qwen3_5_moe(layout: str = "text", seed: int = 0, **overrides):
     """layout: text (Qwen3_5MoeForCausalLM) | vl (Qwen3_5MoeForConditionalGeneration)."""
     import torch
     import transformers
-    from hybrid_fixtures import TINY_VISION
 
     torch.manual_seed(seed)
     text = qwen3_5_moe_text_config(**overrides)
@@ -144,23 +130,5 @@ def make_qwen3_5_moe(layout: str = "text", seed: int = 0, **overrides):
             text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False
         )
         model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
-    model = model.float().eval()
-    with torch.no_grad():  # as hybrid_fixtures (zero-centred norms), plus a sharp router
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-            elif "experts" in name and p.ndim == 3:
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn_like(p))
-    return model
+    # As the dense hybrid (zero-centred norms), plus the MoE's router, experts and embeddings.
+    return randomise(model.float().eval(), (*HYBRID_RULES, *MOE_RULES))

@@ -1,4 +1,4 @@
-"""``drafter.init: target`` (training/setup.py::init_from_target_layers): the drafter starts as a
+"""``drafter.init: target`` (drafter/init.py::init_from_target_layers): the drafter starts as a
 run of the target's own decoder layers, from ``drafter.init_first_layer`` (default: the last ones),
 with ``fc`` selecting the tap that is the first copied layer's input.
 
@@ -18,7 +18,7 @@ from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.nested import flatten
 from dflash_jax.training.run_config import load_run_config
-from dflash_jax.training.setup import init_from_target_layers
+from dflash_jax.drafter.init import init_from_target_layers
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from fixtures import stub_target_config  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_fixtures import zlab_drafter_config  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
-from transformers import Qwen3Config  # noqa: E402
 
 from convert.zlab_drafter import WEIGHTS_FILE, write_zlab_drafter  # noqa: E402
 from dflash_jax.drafter.api import get_params, init_drafter, set_params  # noqa: E402
@@ -43,20 +43,15 @@ VARIANTS = {
 
 
 def zlab_config(**extra):
-    return Qwen3Config(
-        hidden_size=D,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    return zlab_drafter_config(
+        mask_token_id=V - 1,
+        target_layer_ids=LAYER_IDS,
         num_target_layers=6,
         block_size=S,
-        dflash_config={"mask_token_id": V - 1, "target_layer_ids": LAYER_IDS},
+        hidden_size=D,
+        vocab_size=V,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         **extra,
     )
 
@@ -99,6 +94,23 @@ def zlab_call(model, feats, noise, positions, cache=None):
     return out.numpy()
 
 
+def draft_after_context(drafter, rng, C):
+    """One draft block after a context of C random target features (a fresh cache) -> (the
+    drafter's output, its cache, (features, noise embeddings, positions) for the reference)."""
+    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
+    noise = rng.normal(size=(1, S, D)).astype(np.float32)
+    pos = np.arange(C + S)[None]
+    out, cache = infer(
+        drafter,
+        jnp.asarray(feats),
+        jnp.asarray(pos[:, :C]),
+        jnp.asarray(noise),
+        jnp.asarray(pos[:, C:]),
+        init_cache(drafter.config, 1, 256),
+    )
+    return out, cache, (feats, noise, pos)
+
+
 def test_loaded_config_mirrors_zlab(zlab):
     drafter = load_drafter(zlab.path, TARGET)
     cfg, ref = drafter.config, zlab.model
@@ -113,20 +125,11 @@ def test_one_draft_after_long_context(zlab):
     drafter = load_drafter(zlab.path, TARGET)
     rng = np.random.default_rng(1)
     C = 160
-    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
-    noise = rng.normal(size=(1, S, D)).astype(np.float32)
-    pos = np.arange(C + S)[None]
-    ref = zlab_call(zlab.model, feats, noise, pos)
-    out, cache = infer(
-        drafter,
-        jnp.asarray(feats),
-        jnp.asarray(pos[:, :C]),
-        jnp.asarray(noise),
-        jnp.asarray(pos[:, C:]),
-        init_cache(drafter.config, 1, 256),
-    )
+    out, cache, (feats, noise, pos) = draft_after_context(drafter, rng, C)
     assert int(cache.lengths[0]) == C
-    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), zlab_call(zlab.model, feats, noise, pos), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_multistep_decode_with_cache_and_crop(zlab):
@@ -239,18 +242,7 @@ def test_exported_drafter_loads_in_zlab(zlab, tmp_path):
     for i, layer in enumerate(ref_model.layers):
         assert layer.self_attn.is_causal == drafter.config.layer_causal(i)
         assert layer.self_attn.sliding_window == drafter.config.layer_window(i)
-    C = 130
-    feats = rng.normal(size=(1, C, KD)).astype(np.float32)
-    noise = rng.normal(size=(1, S, D)).astype(np.float32)
-    pos = np.arange(C + S)[None]
-    out, _ = infer(
-        drafter,
-        jnp.asarray(feats),
-        jnp.asarray(pos[:, :C]),
-        jnp.asarray(noise),
-        jnp.asarray(pos[:, C:]),
-        init_cache(drafter.config, 1, 256),
-    )
+    out, _, (feats, noise, pos) = draft_after_context(drafter, rng, 130)
     np.testing.assert_allclose(np.asarray(out), zlab_call(ref_model, feats, noise, pos), atol=1e-5, rtol=1e-5)
     # And bf16 export: the written file really is bf16 and reloads close to the original.
     write_zlab_drafter(tmp_path / "bf16", drafter.config, get_params(drafter))

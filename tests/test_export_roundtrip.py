@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hf_fixtures import save_hf_model
+from hf_fixtures import save_hf_model, zlab_drafter_config
 
 from convert import drafter_reader, drafter_to_hf, hf_to_drafter
 from convert.zlab_drafter import WEIGHTS_FILE, flatten, param_shapes, unflatten
@@ -119,26 +119,18 @@ def test_checkpoint_to_zlab_to_checkpoint_is_identical(target, tmp_path):
 
 def _zlab_published(directory, *, dtype=torch.bfloat16):
     """A drafter directory written by z-lab's DFlashDraftModel.save_pretrained (bf16, sliding layers)."""
-    import transformers
-
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
+    cfg = zlab_drafter_config(
+        mask_token_id=511,
+        target_layer_ids=[0, 1, 2],
+        num_target_layers=4,
+        block_size=16,
         intermediate_size=112,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         use_sliding_window=True,
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        num_target_layers=4,
-        block_size=16,
-        dflash_config={"mask_token_id": 511, "target_layer_ids": [0, 1, 2]},
     )
     model = dm.DFlashDraftModel(cfg)
     with torch.no_grad():

@@ -8,14 +8,23 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from hf_fixtures import prompt_ids
 from moe_fixtures import make_gpt_oss, quantize_mxfp4
+from target_families import (
+    FAMILIES,
+    PROMPT_LEN,
+    assert_matches_reference,
+    assert_same_outputs,
+    assert_same_tensors,
+    checkpoint,
+    hf_reference,
+    run_packed,
+    run_target,
+)
 
 import dflash_jax
 from convert.mxfp4 import dequantize
@@ -23,98 +32,36 @@ from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.moe import route
 
-LAYER_IDS = (3, 0, 1)  # 3: last (full), 0: sliding, 1: full; every layer is a MoE layer
-PROMPT_LEN = 520
-_CKPT: dict = {}
+LAYER_IDS = FAMILIES["gpt_oss"].layer_ids
 
 
-def checkpoint(tmp_path_factory):
-    if "bf16" not in _CKPT:
-        model = make_gpt_oss(seed=0)
-        d = tmp_path_factory.mktemp("gpt_oss")
-        model.save_pretrained(d)  # fused [E, in, out] experts, unquantised
-        _CKPT["bf16"] = (d, model)
-    return _CKPT["bf16"]
-
-
-def hf_reference(model, ids):
-    raw = {}
-    hooks = [
-        layer.register_forward_hook(
-            lambda mod, args, out, i=i: raw.__setitem__(
-                i, (out[0] if isinstance(out, tuple) else out).numpy()
-            )
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    with torch.no_grad():
-        out = model(torch.tensor(ids), output_hidden_states=True)
-    for h in hooks:
-        h.remove()
-    return out, raw
-
-
-def run(target, ids, layer_ids=LAYER_IDS, mesh=None):
-    fn = nnx.jit(lambda m, x: m(x, layer_ids=layer_ids))
-    if mesh is None:
-        return fn(target, jnp.asarray(ids, jnp.int32))
-    with jax.set_mesh(mesh):
-        return fn(target, jnp.asarray(ids, jnp.int32))
-
-
-def assert_parity(out, ref, raw, H):
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(out.hidden), ref.hidden_states[-1].numpy(), atol=1e-4, rtol=0)
-    for j, layer in enumerate(LAYER_IDS):
-        np.testing.assert_allclose(
-            np.asarray(out.features[..., j * H : (j + 1) * H]),
-            raw[layer],
-            atol=1e-4,
-            rtol=0,
-            err_msg=f"layer {layer}",
-        )
-
-
-def test_parity_with_transformers(tmp_path_factory, tmp_path):
-    path, hf_model = checkpoint(tmp_path_factory)
-    ids = prompt_ids(PROMPT_LEN, 512, seed=1)
-    ref, raw = hf_reference(hf_model, ids)
-    target = dflash_jax.load_target(path)
-    c = target.config
+def test_config_has_sinks_windows_and_yarn(tmp_path_factory):
+    c = TargetConfig.from_pretrained(checkpoint(tmp_path_factory, "gpt_oss")[0])
     assert c.model_type == "gpt_oss" and c.attention_windows == (128, 0, 128, 0)
     assert c.rope.rope_type == "yarn" and c.rope.scaling > 1 and c.attention_sinks
-    out = run(target, ids)
-    assert_parity(out, ref, raw, c.hidden_size)
-    assert np.asarray(out.expert_load).shape == (4, 8)
-    # The window is load-bearing: the same weights with every layer full attention differ.
+
+
+def test_the_sliding_window_is_load_bearing(tmp_path_factory, tmp_path):
+    """The same weights with every layer full attention differ from transformers (whose parity
+    with the windows is in test_target_parity.py)."""
+    path, hf_model = checkpoint(tmp_path_factory, "gpt_oss")
+    ids = prompt_ids(PROMPT_LEN, 512, seed=1)
+    ref, _ = hf_reference(hf_model, ids)
     full = tmp_path / "full"
     shutil.copytree(path, full)
     cfg = json.loads((full / "config.json").read_text())
     cfg["layer_types"] = ["full_attention"] * 4
     (full / "config.json").write_text(json.dumps(cfg))
-    unwindowed = run(dflash_jax.load_target(full), ids)
+    unwindowed = run_target(dflash_jax.load_target(full), ids, LAYER_IDS)
     assert np.abs(np.asarray(unwindowed.logits) - ref.logits.numpy()).max() > 1e-3
 
 
 def test_packed_documents_equal_each_alone(tmp_path_factory):
-    path, hf_model = checkpoint(tmp_path_factory)
-    target = dflash_jax.load_target(path)
-    lens = (300, 130, 90)  # the first longer than the window
-    docs = [prompt_ids(n, 512, seed=20 + i)[0] for i, n in enumerate(lens)]
-    ids = np.concatenate(docs)[None]
-    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)]).astype(np.int32)[None]
-    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)[None]
-    fn = nnx.jit(lambda m, x, p, s: m(x, p, layer_ids=LAYER_IDS, segment_ids=s))
-    packed = fn(target, jnp.asarray(ids, jnp.int32), jnp.asarray(pos), jnp.asarray(seg))
-    start = 0
-    for doc in docs:
-        sl = slice(start, start + len(doc))
-        start += len(doc)
-        ref, _ = hf_reference(hf_model, doc[None])
-        np.testing.assert_allclose(np.asarray(packed.logits[:, sl]), ref.logits.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(
-            np.asarray(packed.hidden[:, sl]), ref.hidden_states[-1].numpy(), atol=1e-4, rtol=0
-        )
+    path, hf_model = checkpoint(tmp_path_factory, "gpt_oss")
+    docs = [prompt_ids(n, 512, seed=20 + i)[0] for i, n in enumerate((300, 130, 90))]  # 300 > window
+    packed, rows = run_packed(dflash_jax.load_target(path), docs, LAYER_IDS)
+    for doc, sl in zip(docs, rows, strict=True):
+        assert_matches_reference(packed, *hf_reference(hf_model, doc[None]), LAYER_IDS, rows=sl)
 
 
 def test_router_equals_transformers_with_ties():
@@ -172,7 +119,7 @@ def test_mxfp4_checkpoint_loads_and_matches(tmp_path_factory, tmp_path):
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    path, _ = checkpoint(tmp_path_factory)
+    path, _ = checkpoint(tmp_path_factory, "gpt_oss")
     hf_model = make_gpt_oss(seed=0)
     tensors = load_file(path / "model.safetensors")
     rng = np.random.default_rng(5)
@@ -197,8 +144,7 @@ def test_mxfp4_checkpoint_loads_and_matches(tmp_path_factory, tmp_path):
     save_file(tensors, packed / "model.safetensors", metadata={"format": "pt"})
     target = dflash_jax.load_target(packed)
     ids = prompt_ids(PROMPT_LEN, 512, seed=3)
-    ref, raw = hf_reference(hf_model, ids)
-    assert_parity(run(target, ids), ref, raw, target.config.hidden_size)
+    assert_matches_reference(run_target(target, ids, LAYER_IDS), *hf_reference(hf_model, ids), LAYER_IDS)
     del tensors["model.layers.2.mlp.experts.down_proj_scales"]
     save_file(tensors, packed / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
@@ -212,30 +158,20 @@ def test_export_gives_back_the_checkpoint(tmp_path_factory):
 
     from convert.hf_target import export_target_state
 
-    path, _ = checkpoint(tmp_path_factory)
+    path, _ = checkpoint(tmp_path_factory, "gpt_oss")
     saved = load_file(path / "model.safetensors")
-    exported = export_target_state(dflash_jax.load_target(path))
-    assert set(exported) == set(saved)
-    for key, value in saved.items():
-        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert_same_tensors(export_target_state(dflash_jax.load_target(path)), saved)
 
 
 def test_expert_parallel_equals_single_device(tmp_path_factory):
-    path, _ = checkpoint(tmp_path_factory)
+    path, _ = checkpoint(tmp_path_factory, "gpt_oss")
     ids = prompt_ids(200, 512, seed=2, batch=4)
-    single = run(dflash_jax.load_target(path), ids)
+    single = run_target(dflash_jax.load_target(path), ids, LAYER_IDS)
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
     target = dflash_jax.load_target(path, mesh=mesh)
     assert target.moe.gate[...].addressable_shards[0].data.shape[1] == 1
-    out = run(target, ids, mesh=mesh)
-    for name in ("logits", "hidden", "features"):  # fp32 noise of reordered sums: ~5e-6 relative
-        np.testing.assert_allclose(
-            np.asarray(getattr(out, name)),
-            np.asarray(getattr(single, name)),
-            atol=1e-5,
-            rtol=1e-5,
-            err_msg=name,
-        )
+    out = run_target(target, ids, LAYER_IDS, mesh=mesh)
+    assert_same_outputs(out, single, atol=1e-5, rtol=1e-5)  # fp32 noise of reordered sums: ~5e-6 relative
 
 
 def test_config_roundtrip():

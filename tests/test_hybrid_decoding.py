@@ -19,8 +19,8 @@ from collections import Counter
 
 import jax
 import pytest
-from hf_fixtures import prompt_ids
 from hybrid_fixtures import make_hybrid_model
+from target_families import biased_towards, favouring_mask_token, ragged_prompts
 
 import dflash_jax
 from dflash_jax.decoding.generate import generate
@@ -40,20 +40,9 @@ BLOCK = 5
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     hf = make_hybrid_model("text", seed=2)
-    rows = prompt_ids(max(PROMPT_LENS), 512, seed=3, batch=len(PROMPT_LENS))
-    prompts = [rows[i, :n].tolist() for i, n in enumerate(PROMPT_LENS)]
-    with torch.no_grad():
-        hs = torch.cat(
-            [hf(torch.tensor(p)[None], output_hidden_states=True).hidden_states[-1][0] for p in prompts]
-        )
-        mean_h = hs.mean(0)
-        w = hf.lm_head.weight
-        w[C] = 1.5 * mean_h / mean_h.norm() * w.norm(dim=1).mean()
-        e = hf.model.embed_tokens.weight
-        logits = (e / e.pow(2).mean(1, keepdim=True).sqrt()) @ w.T
-        others = logits.clone()
-        others[:, C] = -1e9
-        mask = int((logits[:, C] - others.max(1).values).argmax())
+    prompts = ragged_prompts(PROMPT_LENS, seed=3)
+    biased_towards(hf, prompts, C, alpha=1.5)
+    mask = favouring_mask_token(hf, C)
     d = tmp_path_factory.mktemp("hybrid_biased")
     hf.save_pretrained(d)
     return dict(hf=hf, target=dflash_jax.load_target(d), mask=mask, prompts=prompts)

@@ -86,14 +86,13 @@ def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     builds the hybrid target (replicated, its bytes equal transformers' Qwen3.5 parameter count in
     bf16), compiles the train step for a sharded layout, and rejects a tensor size that does not
     divide the DeltaNet key heads (its q|k|v channels are split by key head), naming them."""
-    import csv
     import json
 
     import transformers
     from hybrid_fixtures import TINY_HYBRID
+    from target_families import run_mesh_experiment
 
     from dflash_jax.tools import plan
-    from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
 
     arch = {**TINY_HYBRID, "num_attention_heads": 8, "num_key_value_heads": 4, "linear_num_value_heads": 6}
     overrides = [
@@ -107,17 +106,10 @@ def test_mesh_experiment_plans_a_hybrid_target(tmp_path, capsys):
     replicated = plan.per_device_bytes(t_state)
     assert replicated == 2 * sum(p.numel() for p in hf.parameters())  # bfloat16
 
-    out = tmp_path / "mx"
-    rc = mesh_experiment_main(
-        [
-            "--config", "qwen3.6-27b", "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8",
-            "--layouts", "fsdp=4,tensor=2", "tensor=4", "--out", str(out), *overrides,
-        ]
-    )  # fmt: skip
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    text, rows = run_mesh_experiment(
+        "qwen3.6-27b", ["fsdp=4,tensor=2", "tensor=4"], overrides, tmp_path / "mx", capsys
+    )
     assert "tensor=4 does not divide linear_num_key_heads (target)=2" in text
-    rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
     sharded = rows["fsdp=4,tensor=2"]
     assert int(sharded["target_param_bytes"]) < replicated / 4
     assert int(sharded["train_temp_bytes"]) > 0 and float(sharded["flops"]) > 0

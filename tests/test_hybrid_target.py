@@ -1,6 +1,6 @@
-"""The Qwen3.5 hybrid target vs transformers (PyTorch, CPU, fp32) on tiny random configs with a long
-prompt: logits, final hidden, features (a linear-attention tap and the last layer), both checkpoint
-layouts, packed documents, the cache and its rollback."""
+"""The Qwen3.5 hybrid target on tiny random configs: both checkpoint layouts' configs, strict key
+accounting, packed documents, the cache and its rollback, export (its parity with transformers on a
+long prompt, in both layouts: test_target_parity.py)."""
 
 from __future__ import annotations
 
@@ -10,74 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from hf_fixtures import prompt_ids
-from hybrid_fixtures import save_hybrid_model, text_model
+from target_families import FAMILIES, assert_same_tensors, checkpoint, run_packed, run_target
 
 import dflash_jax
 from dflash_jax.target.config import TargetConfig
 
-LAYER_IDS = (5, 0, 3)  # 0 and 3 are linear-attention layers, 5 the last (full attention)
-PROMPT_LEN = 520
-
-_CKPT: dict = {}
-
-
-def checkpoint(layout, tmp_path_factory):
-    if layout not in _CKPT:
-        d = tmp_path_factory.mktemp(f"qwen3_5_{layout}")
-        _CKPT[layout] = (d, save_hybrid_model(d, layout, seed=0 if layout == "text" else 1))
-    return _CKPT[layout]
-
-
-def hf_reference(model, ids):
-    raw = {}
-    layers = text_model(model).layers
-    hooks = [
-        layer.register_forward_hook(
-            lambda mod, args, out, i=i: raw.__setitem__(
-                i, (out[0] if isinstance(out, tuple) else out).numpy()
-            )
-        )
-        for i, layer in enumerate(layers)
-    ]
-    with torch.no_grad():
-        out = model(torch.tensor(ids), output_hidden_states=True)
-    for h in hooks:
-        h.remove()
-    return out, raw
-
-
-def run(target, ids, layer_ids=LAYER_IDS, **kw):
-    return nnx.jit(lambda m, x: m(x, layer_ids=layer_ids, **kw))(target, jnp.asarray(ids, jnp.int32))
-
-
-@pytest.mark.parametrize("layout", ["text", "vl"])
-def test_parity_with_transformers(layout, tmp_path_factory):
-    path, hf_model = checkpoint(layout, tmp_path_factory)
-    ids = prompt_ids(PROMPT_LEN, 512, seed=1)
-    ref, raw = hf_reference(hf_model, ids)
-    target = dflash_jax.load_target(path)
-    assert target.config.model_type == "qwen3_5"
-    out = run(target, ids)
-    H = target.config.hidden_size
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), atol=1e-4, rtol=0)
-    # HF's hidden_states[-1] is after the final norm: what lm_head sees, i.e. our .hidden.
-    np.testing.assert_allclose(np.asarray(out.hidden), ref.hidden_states[-1].numpy(), atol=1e-4, rtol=0)
-    for j, layer in enumerate(LAYER_IDS):
-        np.testing.assert_allclose(
-            np.asarray(out.features[..., j * H : (j + 1) * H]),
-            raw[layer],
-            atol=1e-4,
-            rtol=0,
-            err_msg=f"feature of layer {layer} ({target.config.layer_types[layer]})",
-        )
+LAYER_IDS = FAMILIES["qwen3_5"].layer_ids
 
 
 def test_config_both_layouts_agree(tmp_path_factory):
-    text = TargetConfig.from_pretrained(checkpoint("text", tmp_path_factory)[0])
-    vl = TargetConfig.from_pretrained(checkpoint("vl", tmp_path_factory)[0])
+    text = TargetConfig.from_pretrained(checkpoint(tmp_path_factory, "qwen3_5", "text")[0])
+    assert text.model_type == "qwen3_5"
+    vl = TargetConfig.from_pretrained(checkpoint(tmp_path_factory, "qwen3_5", "vl")[0])
     assert text == vl
     assert text.layer_types == ("linear_attention", "linear_attention", "full_attention") * 2
     assert text.rotary_dim == 8 and text.qk_norm
@@ -87,7 +33,7 @@ def test_unknown_or_missing_tensors_are_named(tmp_path_factory, tmp_path):
     """Strict accounting: visual/mtp tensors are skipped by rule, anything else unexpected fails."""
     from safetensors.numpy import load_file, save_file
 
-    src, _ = checkpoint("vl", tmp_path_factory)
+    src, _ = checkpoint(tmp_path_factory, "qwen3_5", "vl")
     tensors = load_file(src / "model.safetensors")
     assert any(k.startswith("model.visual.") for k in tensors)
     tensors["mtp.layers.0.mlp.up_proj.weight"] = np.zeros((4, 4), np.float32)  # skipped by rule
@@ -106,16 +52,12 @@ def test_unknown_or_missing_tensors_are_named(tmp_path_factory, tmp_path):
 def test_packed_documents_equal_each_alone(tmp_path_factory):
     """Two documents in one row (segment_ids, positions restarting): the recurrent state, the conv
     window and attention all restart at the boundary."""
-    path, _ = checkpoint("text", tmp_path_factory)
+    path, _ = checkpoint(tmp_path_factory, "qwen3_5", "text")
     target = dflash_jax.load_target(path)
-    a, b = prompt_ids(150, 512, seed=2)[0], prompt_ids(107, 512, seed=3)[0]
-    ids = np.concatenate([a, b])[None]
-    seg = np.concatenate([np.zeros(len(a)), np.ones(len(b))]).astype(np.int32)[None]
-    pos = np.concatenate([np.arange(len(a)), np.arange(len(b))]).astype(np.int32)[None]
-    fn = nnx.jit(lambda m, x, p, s: m(x, p, layer_ids=LAYER_IDS, segment_ids=s))
-    packed = fn(target, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
-    for doc, sl in ((a, slice(0, len(a))), (b, slice(len(a), None))):
-        alone = run(target, doc[None])
+    docs = [prompt_ids(150, 512, seed=2)[0], prompt_ids(107, 512, seed=3)[0]]
+    packed, rows = run_packed(target, docs, LAYER_IDS, first_segment=0)
+    for doc, sl in zip(docs, rows, strict=True):
+        alone = run_target(target, doc[None], LAYER_IDS)
         np.testing.assert_allclose(
             np.asarray(packed.logits[:, sl]), np.asarray(alone.logits), atol=1e-4, rtol=0
         )
@@ -127,10 +69,10 @@ def test_packed_documents_equal_each_alone(tmp_path_factory):
 def test_cache_continuation_and_rollback(tmp_path_factory):
     """Prefill + a block on the cache == one forward over everything; cropping the block's cache
     back to k tokens and continuing == having run only those k."""
-    path, _ = checkpoint("text", tmp_path_factory)
+    path, _ = checkpoint(tmp_path_factory, "qwen3_5", "text")
     target = dflash_jax.load_target(path)
     ids = jnp.asarray(prompt_ids(90, 512, seed=4), jnp.int32)
-    full = run(target, ids)
+    full = run_target(target, ids, LAYER_IDS)
     step = nnx.jit(lambda m, x, c: m(x, cache=c))
     cache = target.init_cache(1, 128)
     o1 = step(target, ids[:, :70], cache)
@@ -187,9 +129,6 @@ def test_export_gives_back_the_hf_tensors(tmp_path_factory):
     text checkpoint unchanged: the fused q|k|v channels we regroup by key head go back in HF order."""
     from convert.hf_target import export_target_state
 
-    path, hf_model = checkpoint("text", tmp_path_factory)
-    exported = export_target_state(dflash_jax.load_target(path))
+    path, hf_model = checkpoint(tmp_path_factory, "qwen3_5", "text")
     reference = {k: v.numpy() for k, v in hf_model.state_dict().items()}
-    assert set(exported) == set(reference)
-    for key, value in reference.items():
-        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert_same_tensors(export_target_state(dflash_jax.load_target(path)), reference)

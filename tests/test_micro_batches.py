@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fixtures import tiny_target_config
 from flax import nnx
 
 from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.model import TargetModel
 from dflash_jax.training.run_config import TrainSection
 from dflash_jax.training.step import apply_train_step
@@ -22,17 +22,7 @@ B = 4
 
 
 def _setup():
-    tc = TargetConfig(
-        model_type="qwen3",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-    )
+    tc = tiny_target_config()
     target = TargetModel(tc, rngs=nnx.Rngs(0))
     target.embed_tokens[...] = target.embed_tokens[...] * 20.0  # peaked target distributions
     dc = DrafterConfig.for_target(tc, num_layers=1, mask_token_id=255, block_size=B, target_layer_ids=(0, 2))

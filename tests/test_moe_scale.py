@@ -70,29 +70,20 @@ def test_architecture_and_drafter_as_published(name):
 
 
 def test_mesh_experiment_plans_a_moe_target(tmp_path, capsys):
-    import csv
     import json
 
     from moe_fixtures import TINY_QWEN3_MOE
-
-    from dflash_jax.tools.mesh_experiment import main as mesh_experiment_main
+    from target_families import run_mesh_experiment
 
     arch = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "mlp_only_layers": [], "num_experts": 8}
     overrides = [
         "target.architecture=" + json.dumps(arch), "drafter.num_layers=1", "drafter.mask_token_id=500",
         "drafter.target_layer_ids=null", "train.loss_chunk=64",
     ]  # fmt: skip
-    out = tmp_path / "mx"
-    rc = mesh_experiment_main(
-        [
-            "--config", "qwen3-30b-a3b", "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8",
-            "--layouts", "fsdp=4,tensor=2", "data=2,fsdp=3", "--out", str(out), *overrides,
-        ]
-    )  # fmt: skip
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    text, rows = run_mesh_experiment(
+        "qwen3-30b-a3b", ["fsdp=4,tensor=2", "data=2,fsdp=3"], overrides, tmp_path / "mx", capsys
+    )
     assert "mesh axis fsdp*tensor=3 does not divide num_experts (target)=8" in text
-    rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
     sharded = rows["fsdp=4,tensor=2"]
     assert int(sharded["train_temp_bytes"]) > 0 and float(sharded["flops"]) > 0
     assert "all-gather" in sharded["collectives"]

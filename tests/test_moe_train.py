@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hf_fixtures import prompt_ids
 from moe_fixtures import make_qwen3_moe
+from target_families import biased_towards, ragged_prompts
 
 import dflash_jax
 from dflash_jax.decoding.generate import generate
@@ -64,15 +64,8 @@ def biased(tmp_path_factory):
     """A tiny HF Qwen3-MoE whose lm_head row C points along its mean final hidden state, so
     acceptance varies (partial rollbacks, not only full rejections)."""
     hf = make_qwen3_moe(seed=3)
-    rows = prompt_ids(max(PROMPT_LENS), 512, seed=4, batch=len(PROMPT_LENS))
-    prompts = [rows[i, :n].tolist() for i, n in enumerate(PROMPT_LENS)]
-    with torch.no_grad():
-        hs = torch.cat(
-            [hf(torch.tensor(p)[None], output_hidden_states=True).hidden_states[-1][0] for p in prompts]
-        )
-        mean_h = hs.mean(0)
-        w = hf.lm_head.weight
-        w[C] = 1.2 * mean_h / mean_h.norm() * w.norm(dim=1).mean()
+    prompts = ragged_prompts(PROMPT_LENS, seed=4)
+    biased_towards(hf, prompts, C, alpha=1.2)
     d = tmp_path_factory.mktemp("moe_biased")
     hf.save_pretrained(d)
     return hf, dflash_jax.load_target(d), prompts

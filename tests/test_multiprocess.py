@@ -199,10 +199,30 @@ def test_launcher_timeout_names_the_running_processes(tmp_path):
     assert "timeout after 3s; still running: process 0, process 1" in r.stdout
 
 
+def _start_two_processes(path):
+    """Two processes of ``probe_entry`` (in ``path``) joined by JAX_* variables with a 5 s
+    heartbeat, as a cluster starts them (no launcher), 2 CPU devices each."""
+    from dflash_jax import launch
+
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), path]))
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "probe_entry"],
+            env=launch.child_env(
+                base, coordinator=coordinator, num=2, index=i, devices=2, platform="cpu", heartbeat=5
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+
+
 def test_dead_peer_is_named_by_the_survivor_within_the_heartbeat_timeout(tmp_path):
     """Without the launcher (as on a cluster): process 1 dies after a collective; process 0,
     waiting in the next one, aborts within the heartbeat timeout with an error naming task 1."""
-    from dflash_jax import launch
 
     path = _write_module(
         tmp_path,
@@ -219,20 +239,7 @@ def test_dead_peer_is_named_by_the_survivor_within_the_heartbeat_timeout(tmp_pat
         print("barrier passed", flush=True)
         """,
     )
-    coordinator = f"127.0.0.1:{launch.free_port()}"
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), path]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "probe_entry"],
-            env=launch.child_env(
-                base, coordinator=coordinator, num=2, index=i, devices=2, platform="cpu", heartbeat=5
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
+    procs = _start_two_processes(path)
     try:
         out1, _ = procs[1].communicate(timeout=300)
         t_dead = time.monotonic()
@@ -254,7 +261,6 @@ def test_26_6_survivor_names_the_killed_peer_in_its_one_error_line(tmp_path):
     """Issue 26: started by JAX_* variables (no launcher), process 1 is SIGKILLed; process 0's next
     collective fails in gloo ("Connection closed by peer", naming nobody): its error line names
     process 1, with no traceback."""
-    from dflash_jax import launch
 
     path = _write_module(
         tmp_path,
@@ -278,20 +284,7 @@ def test_26_6_survivor_names_the_killed_peer_in_its_one_error_line(tmp_path):
         sys.exit(main())
         """,
     )
-    coordinator = f"127.0.0.1:{launch.free_port()}"
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), path]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "probe_entry"],
-            env=launch.child_env(
-                base, coordinator=coordinator, num=2, index=i, devices=2, platform="cpu", heartbeat=5
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
+    procs = _start_two_processes(path)
     try:
         out0, _ = procs[0].communicate(timeout=300)
     finally:

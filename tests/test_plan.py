@@ -133,11 +133,11 @@ def test_train_plan_on_the_default_config(capsys):
         assert what in out
 
 
-def test_train_plan_refuses_a_tiny_target_naming_it(capsys):
+def test_train_plan_describes_a_tiny_target_from_its_section(capsys):
     from dflash_jax.train import main as train_main
 
-    assert train_main(["--config", "tiny", "--plan"]) == 2
-    assert "target.path=tiny has no architecture" in capsys.readouterr().err
+    assert train_main(["--config", "tiny", "--plan"]) == 0
+    assert "plan for layout data=8 on 8 devices" in capsys.readouterr().out
 
 
 def test_conftest_gives_eight_devices():

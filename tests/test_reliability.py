@@ -59,25 +59,15 @@ def _data_cfg(path, **kw):
 @pytest.fixture(scope="module")
 def tiny_models():
     """A tiny random Qwen3-style target and a one-layer drafter (no files, no torch)."""
+    from fixtures import tiny_target_config
+
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.drafter.config import DrafterConfig
     from dflash_jax.layers import RopeConfig
-    from dflash_jax.target.config import TargetConfig
     from dflash_jax.target.model import TargetModel
 
-    tc = TargetConfig(
-        model_type="qwen3",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        rope=RopeConfig(theta=1e6),
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
+    tc = tiny_target_config(
+        num_layers=4, rope=RopeConfig(theta=1e6), tie_word_embeddings=True, max_position_embeddings=512
     )
     target = TargetModel(tc, rngs=nnx.Rngs(0))
     dcfg = DrafterConfig.for_target(tc, num_layers=1, mask_token_id=255, block_size=4)
@@ -350,7 +340,7 @@ def test_fresh_run_into_a_used_dir_is_refused_unless_overwrite(tmp_path, capsys)
 def test_tiny_target_cache_is_keyed_by_its_shape(tmp_path):
     """A cached tiny target of another size is never reused (it was: hidden 64 in a hidden-32 run)."""
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import make_tiny_target_dir
+    from convert.tiny_target import make_tiny_target_dir
 
     dirs = {}
     for h in (32, 64, 32):
@@ -388,12 +378,12 @@ def test_bad_input_is_one_error_line_and_exit_2_before_any_model(
 ):
     """Config, data and I/O errors: one ``error:`` line naming the thing, exit 2, and no model is
     built first (the target loader is never called)."""
-    import dflash_jax.training.setup as setup
+    import convert.tiny_target as tiny_target
 
     def no_model(*a, **k):
         raise AssertionError("a model was built before the config was fully checked")
 
-    monkeypatch.setattr(setup, "make_tiny_target_dir", no_model)
+    monkeypatch.setattr(tiny_target, "make_tiny_target_dir", no_model)
     monkeypatch.setattr("dflash_jax.load_target", no_model)
     rc, errors = _main(_tiny_args(tmp_path / "run", override), capsys)
     assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: ") and named in errors[0], errors
@@ -411,7 +401,7 @@ def test_numbers_like_6e_4_parse_and_anchor_bounds_are_checked_up_front():
 
 def test_truncated_target_weights_are_one_error_line(tmp_path, capsys):
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import make_tiny_target_dir
+    from convert.tiny_target import make_tiny_target_dir
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32"]).target
     target = make_tiny_target_dir(section, 49152, tmp_path / "t")
@@ -560,7 +550,7 @@ def _tiny_target_with_tokenizer(directory):
 
     from convert.smollm2 import smollm2_dir
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import make_tiny_target_dir
+    from convert.tiny_target import make_tiny_target_dir
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32", "target.tiny_num_layers=2"]).target
     target = make_tiny_target_dir(section, 49152, directory)
@@ -738,12 +728,12 @@ def test_26_5_batch_layout_is_checked_before_anything_is_written(
     overrides, named, tmp_path, capsys, monkeypatch
 ):
     """It failed at the first step after the step-0 checkpoint, so the corrected rerun was refused."""
-    import dflash_jax.training.setup as setup
+    import convert.tiny_target as tiny_target
 
     def no_model(*a, **k):
         raise AssertionError("a model was built before the layout was checked")
 
-    monkeypatch.setattr(setup, "make_tiny_target_dir", no_model)
+    monkeypatch.setattr(tiny_target, "make_tiny_target_dir", no_model)
     monkeypatch.setattr("dflash_jax.load_target", no_model)
     rc, errors = _main(_tiny_args(tmp_path / "run", *overrides), capsys)
     assert rc == 2 and len(errors) == 1 and re.search(named, errors[0]), errors
@@ -773,13 +763,13 @@ def test_26_8_nonfinite_values_are_refused_in_configs_and_drafters(tiny_run, mon
 
 
 def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_path, capsys, monkeypatch):
-    import dflash_jax.training.setup as setup
+    import convert.tiny_target as tiny_target
     from dflash_jax.tools import mesh_experiment
 
     def no_model(*a, **k):
         raise AssertionError("a model was built before the config was checked")
 
-    monkeypatch.setattr(setup, "make_tiny_target_dir", no_model)
+    monkeypatch.setattr(tiny_target, "make_tiny_target_dir", no_model)
     monkeypatch.setattr("dflash_jax.load_target", no_model)
     (tmp_path / "a_dir").mkdir()
     cases = [
@@ -795,7 +785,7 @@ def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_pat
         ["--config", "tiny", f"output_dir={tmp_path / 'run'}", "--quiet", "data.shards=3"], capsys
     )
     assert rc == 2 and len(errors) == 1 and "data.shards=3" in errors[0], errors
-    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1"]):
+    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"]):
         rc = mesh_experiment.main([*argv, "--out", str(tmp_path / "mesh")])
         errors = _errors(capsys)
         assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)

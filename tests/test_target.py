@@ -1,99 +1,31 @@
-"""Target models vs transformers (PyTorch, CPU, fp32) on tiny random configs with long prompts."""
+"""Dense targets (Qwen3, Llama 3, Qwen2) vs transformers (PyTorch, CPU, fp32) on tiny random configs:
+sharded layouts, sharded checkpoints and packed documents, the KV cache, bad checkpoints (their
+parity on a long prompt: test_target_parity.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from hf_fixtures import make_hf_model, prompt_ids, save_hf_model
+from target_families import (
+    FAMILIES,
+    assert_same_outputs,
+    checkpoint,
+    hf_reference,
+    rewrite_safetensors,
+    run_packed,
+    run_target,
+)
 
 import dflash_jax
 from dflash_jax.sharding import MeshConfig, make_mesh
 
-KINDS = ["qwen3", "qwen3_tied", "llama3", "qwen2"]
-LAYER_IDS = (3, 0, 2)  # out of order on purpose, and includes the last layer (3 of 4)
-PROMPT_LEN = 520
-
-
-def run_target(target, ids, layer_ids=LAYER_IDS, mesh=None, **kw):
-    fn = nnx.jit(lambda m, x: m(x, layer_ids=layer_ids, **kw))
-    if mesh is None:
-        return fn(target, jnp.asarray(ids, jnp.int32))
-    with jax.set_mesh(mesh):
-        return fn(target, jnp.asarray(ids, jnp.int32))
-
-
-def hf_reference(model, ids):
-    """HF logits, hidden_states, and the raw (pre-norm) output of every decoder layer."""
-    raw = {}
-    hooks = [
-        layer.register_forward_hook(
-            lambda mod, args, out, i=i: raw.__setitem__(
-                i, (out[0] if isinstance(out, tuple) else out).numpy()
-            )
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    with torch.no_grad():
-        out = model(torch.tensor(ids), output_hidden_states=True)
-    for h in hooks:
-        h.remove()
-    return out, raw
-
-
-_CHECKPOINTS: dict = {}
-
-
-def _checkpoint(kind, tmp_path_factory):
-    if kind not in _CHECKPOINTS:
-        d = tmp_path_factory.mktemp(kind)
-        model = make_hf_model(kind)
-        model.save_pretrained(d, safe_serialization=True)
-        _CHECKPOINTS[kind] = (kind, d, model)
-    return _CHECKPOINTS[kind]
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def checkpoint(request, tmp_path_factory):
-    return _checkpoint(request.param, tmp_path_factory)
-
-
-def test_parity_with_transformers(checkpoint):
-    kind, path, hf_model = checkpoint
-    ids = prompt_ids(PROMPT_LEN, hf_model.config.vocab_size, seed=1)
-    ref, raw = hf_reference(hf_model, ids)
-    target = dflash_jax.load_target(path)
-    out = run_target(target, ids)
-    H = hf_model.config.hidden_size
-
-    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), atol=1e-4, rtol=0)
-    # .hidden is what lm_head sees: HF's hidden_states[-1] (after the final norm).
-    np.testing.assert_allclose(np.asarray(out.hidden), ref.hidden_states[-1].numpy(), atol=1e-4, rtol=0)
-    assert out.features.shape == (1, PROMPT_LEN, len(LAYER_IDS) * H)
-    for j, layer in enumerate(LAYER_IDS):
-        ours = np.asarray(out.features[..., j * H : (j + 1) * H])
-        # Raw output of layer i; equals hidden_states[i+1] except for the last (normed) one.
-        np.testing.assert_allclose(ours, raw[layer], atol=1e-4, rtol=0)
-        if layer < hf_model.config.num_hidden_layers - 1:
-            np.testing.assert_allclose(ours, ref.hidden_states[layer + 1].numpy(), atol=1e-4, rtol=0)
-        else:
-            assert np.abs(ours - ref.hidden_states[-1].numpy()).max() > 1e-2, (
-                "last-layer tap must be pre-norm"
-            )
-
-    cfg = target.config
-    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.model_type) == (
-        hf_model.config.num_hidden_layers,
-        H,
-        hf_model.config.vocab_size,
-        hf_model.config.model_type,
-    )
+LAYER_IDS = FAMILIES["qwen3"].layer_ids
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama3"])
@@ -107,18 +39,14 @@ def test_parity_with_transformers(checkpoint):
     ids=["d2f2t2", "f4t2", "d2t4"],
 )
 def test_mesh_layouts_match_single_device(kind, layout, tmp_path_factory):
-    kind, path, hf_model = _checkpoint(kind, tmp_path_factory)
+    path, hf_model = checkpoint(tmp_path_factory, kind)
     ids = prompt_ids(256, hf_model.config.vocab_size, seed=2, batch=4)
-    single = run_target(dflash_jax.load_target(path), ids)
+    single = run_target(dflash_jax.load_target(path), ids, LAYER_IDS)
     mesh = make_mesh(layout)
     sharded_target = dflash_jax.load_target(path, mesh=mesh)
     q = sharded_target.layers.q[...]
     assert len(q.sharding.device_set) == 8 and not q.sharding.is_fully_replicated
-    out = run_target(sharded_target, ids, mesh=mesh)
-    for name in ("logits", "hidden", "features"):
-        np.testing.assert_allclose(
-            np.asarray(getattr(out, name)), np.asarray(getattr(single, name)), atol=2e-5, rtol=0, err_msg=name
-        )
+    assert_same_outputs(run_target(sharded_target, ids, LAYER_IDS, mesh=mesh), single, atol=2e-5)
 
 
 def test_sharded_checkpoint_and_packed_segments(tmp_path):
@@ -129,15 +57,10 @@ def test_sharded_checkpoint_and_packed_segments(tmp_path):
     a = prompt_ids(96, 512, seed=4)
     b = prompt_ids(64, 512, seed=5)
     # Two documents packed in one row: each must see only itself, with positions restarting.
-    packed = np.concatenate([a, b], axis=1)
-    seg = np.concatenate([np.ones(96), 2 * np.ones(64)])[None].astype(np.int32)
-    pos = np.concatenate([np.arange(96), np.arange(64)])[None].astype(np.int32)
-    fn = nnx.jit(lambda m, x, p, s: m(x, p, segment_ids=s, layer_ids=(1,)))
-    out = fn(target, jnp.asarray(packed, jnp.int32), jnp.asarray(pos), jnp.asarray(seg))
-    ref_a, _ = hf_reference(hf_model, a)
-    ref_b, _ = hf_reference(hf_model, b)
-    np.testing.assert_allclose(np.asarray(out.logits[0, :96]), ref_a.logits.numpy()[0], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(out.logits[0, 96:]), ref_b.logits.numpy()[0], atol=1e-4, rtol=0)
+    out, rows = run_packed(target, [a[0], b[0]], layer_ids=(1,))
+    for doc, sl in zip((a, b), rows, strict=True):
+        ref, _ = hf_reference(hf_model, doc)
+        np.testing.assert_allclose(np.asarray(out.logits[0, sl]), ref.logits.numpy()[0], atol=1e-4, rtol=0)
 
 
 def test_kv_cache_decode_matches_full_forward(tmp_path):
@@ -184,24 +107,24 @@ def good_dir(tmp_path_factory):
     return save_hf_model("qwen3", tmp_path_factory.mktemp("good"), seed=8)
 
 
-def _rewrite(src, dst, edit):
-    from safetensors.numpy import load_file, save_file
-
+def _with_config(src, dst, **changes):
+    """A copy of checkpoint ``src`` at ``dst`` with ``changes`` written into its config.json."""
     shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
     return dst
 
 
 def test_missing_tensor_is_named(good_dir, tmp_path):
-    bad = _rewrite(good_dir, tmp_path / "bad", lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    bad = rewrite_safetensors(
+        good_dir, tmp_path / "bad", lambda t: t.pop("model.layers.2.mlp.up_proj.weight")
+    )
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.2\.mlp\.up_proj\.weight"):
         dflash_jax.load_target(bad)
 
 
 def test_unexpected_tensor_is_named(good_dir, tmp_path):
-    bad = _rewrite(
+    bad = rewrite_safetensors(
         good_dir, tmp_path / "bad", lambda t: t.__setitem__("model.extra.weight", np.zeros(3, np.float32))
     )
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.extra\.weight"):
@@ -212,7 +135,7 @@ def test_wrong_shape_is_named(good_dir, tmp_path):
     def edit(t):
         t["model.layers.1.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
 
-    bad = _rewrite(good_dir, tmp_path / "bad", edit)
+    bad = rewrite_safetensors(good_dir, tmp_path / "bad", edit)
     with pytest.raises(
         ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape \(8, 64\), expected \(64, 64\)"
     ):
@@ -220,21 +143,14 @@ def test_wrong_shape_is_named(good_dir, tmp_path):
 
 
 def test_unsupported_model_type(good_dir, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(good_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["model_type"] = "mixtral"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _with_config(good_dir, tmp_path / "bad", model_type="mixtral")
     with pytest.raises(ValueError, match="unsupported model_type 'mixtral'"):
         dflash_jax.load_target(bad)
 
 
 def test_unsupported_rope_scaling(good_dir, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(good_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
-    (bad / "config.json").write_text(json.dumps(cfg))
+    rope = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
+    bad = _with_config(good_dir, tmp_path / "bad", rope_parameters=rope)
     with pytest.raises(ValueError, match="rope_type: unknown 'longrope'"):
         dflash_jax.load_target(bad)
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures import tiny_target_config
 from flax import nnx
 
 from dflash_jax.target import attention
@@ -15,7 +16,6 @@ from dflash_jax.target.attention import (
     cache_attention_mask,
     self_attention_mask,
 )
-from dflash_jax.target.config import TargetConfig
 from dflash_jax.target.model import TargetModel
 
 
@@ -105,17 +105,7 @@ def test_model_with_small_tiles_matches_hf(kind, monkeypatch, tmp_path):
 
 
 def _target_temp_bytes(T: int) -> int:
-    cfg = TargetConfig(
-        model_type="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-    )
+    cfg = tiny_target_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
     model = nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
 

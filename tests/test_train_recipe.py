@@ -277,26 +277,18 @@ def zlab_drafter_for_tiny(directory):
     a sliding and a full layer, a non-default mask token, taps in a non-sorted order."""
     torch = pytest.importorskip("torch")
     dm = pytest.importorskip("dflash.model")
-    import transformers
+    from hf_fixtures import zlab_drafter_config
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
+    cfg = zlab_drafter_config(
+        mask_token_id=7,
+        target_layer_ids=[3, 1],
+        num_target_layers=4,
+        block_size=4,
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         use_sliding_window=True,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
-        num_target_layers=4,
-        block_size=4,
-        dflash_config={"mask_token_id": 7, "target_layer_ids": [3, 1]},
     )
     dm.DFlashDraftModel(cfg).save_pretrained(directory)
     return directory

@@ -49,6 +49,32 @@ REQUIRED_FILES = (
     "tokenizer_config.json",
 )
 
+# The architecture fields of the config.json this conversion writes (checked against a prepared
+# directory by tests/test_smollm2_target.py) and the size of its tokenizer: what a plan of a
+# ``smollm2`` or ``tiny`` run needs, known without converting (or reading) any weight.
+ARCHITECTURE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 9.999999747378752e-06,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+TOKENIZER_SIZE = 49152
+
 # SmolLM2-Instruct's ChatML template, used only if a GGUF carries none (the packaged one does).
 SMOLLM2_CHAT_TEMPLATE = (
     "{% for message in messages %}"

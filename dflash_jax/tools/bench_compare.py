@@ -102,7 +102,7 @@ def target_dir(small: bool) -> Path:
 
         return smollm2_dir()
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.setup import make_tiny_target_dir
+    from convert.tiny_target import make_tiny_target_dir
 
     section = load_run_config("tiny", []).target
     return make_tiny_target_dir(section, 512, Path(tempfile.gettempdir()) / "dflash_bench_tiny_target")

@@ -12,6 +12,7 @@ Used by ``python -m dflash_jax.mesh_experiment`` (many layouts) and ``python -m 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,17 +28,17 @@ from dflash_jax.dtypes import to_dtype
 from dflash_jax.sharding import (
     BATCH_AXES,
     MESH_AXES,
+    LayoutError,
     MeshConfig,
+    layout_text,
     logical_sharding,
     make_mesh,
     named_sharding,
+    sharded_dims,
 )
+from dflash_jax.sharding import check_layout as sharding_check_layout
 from dflash_jax.tools import hlo_stats
 from dflash_jax.training.step import array_shardings, jit_train_step
-
-
-class LayoutError(ValueError):
-    """A mesh layout that cannot run this model: names the dimension and the mesh axis."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def layout_name(config: MeshConfig, num_devices: int) -> str:
 
 
 def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> tuple[int, int, int]:
-    """Resolve ``config`` against the devices and reject a layout the model cannot use.
+    """``sharding.check_layout`` for a layout of a plan, which names its own devices: the product of
+    its sizes (all available ones with a -1 axis), checked against the model's sharded dimensions.
 
     Returns the (data, fsdp, tensor) sizes. Raises LayoutError naming the dimension and the axis.
     """
@@ -119,38 +121,15 @@ def check_layout(config: MeshConfig, spec: PlanSpec, available_devices: int) -> 
     wanted = config.num_devices or (known if -1 not in sizes else available_devices)
     if known > available_devices or wanted > available_devices:
         raise LayoutError(
-            f"layout {config_text(config)} needs {max(known, wanted)} devices but only "
+            f"layout {layout_text(config)} needs {max(known, wanted)} devices but only "
             f"{available_devices} exist"
         )
-    try:
-        data, fsdp, tensor = config.resolve(wanted)
-    except ValueError as e:
-        raise LayoutError(str(e)) from e
-    t, d = spec.target_config, spec.drafter_config
-    checks = [
-        ("tensor", tensor, "num_heads (target)", t.num_heads),
-        ("tensor", tensor, "num_kv_heads (target)", t.num_kv_heads),
-        ("tensor", tensor, "intermediate_size (target)", t.intermediate_size),
-        ("tensor", tensor, "num_heads (drafter)", d.num_heads),
-        ("tensor", tensor, "num_kv_heads (drafter)", d.num_kv_heads),
-        ("tensor", tensor, "intermediate_size (drafter)", d.intermediate_size),
-        ("fsdp", fsdp, "hidden_size", t.hidden_size),
-        ("data*fsdp", data * fsdp, "batch rows", spec.batch_rows),
-    ]
-    if t.is_hybrid:  # Gated DeltaNet: q|k|v channels split by key head (value heads follow)
-        checks.insert(3, ("tensor", tensor, "linear_num_key_heads (target)", t.linear_num_key_heads))
-    if getattr(t, "is_moe", False):  # whole experts over fsdp x tensor (target/moe.py, docs/mesh.md)
-        checks.insert(3, ("fsdp*tensor", fsdp * tensor, "num_experts (target)", t.num_experts))
-    for axis, size, dim, value in checks:
-        if size > 1 and value % size:
-            raise LayoutError(
-                f"layout {config_text(config)}: mesh axis {axis}={size} does not divide {dim}={value}"
-            )
-    return data, fsdp, tensor
-
-
-def config_text(config: MeshConfig) -> str:
-    return ",".join(f"{a}={getattr(config, a)}" for a in MESH_AXES if getattr(config, a) != 1) or "data=1"
+    return sharding_check_layout(
+        dataclasses.replace(config, num_devices=wanted),
+        available_devices,
+        batch_rows=spec.batch_rows,
+        dims=sharded_dims(spec.target_config, spec.drafter_config),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,22 +397,21 @@ def _measure(compiled, spec: PlanSpec, mesh: Mesh, t_state, d_state, steps: int)
 def spec_for_run(
     cfg,
     *,
+    parts=None,
     target_config=None,
-    target_dir=None,
     seq_len: int | None = None,
     batch_rows: int | None = None,
     max_anchors=None,
     **train_overrides,
 ):
-    """A PlanSpec from a RunConfig (plus sweep overrides), with no tokenizer and no weights: the
-    run's parts as the trainer assembles them (``training.assembly``, abstractly; the architecture
-    from ``target.architecture`` or ``target_dir``'s config.json), or for ``target_config`` instead
-    of the run's own target (a sweep over sizes)."""
-    import dataclasses
+    """A PlanSpec of a run (plus sweep overrides), with no weights: of ``parts``, the run's parts as
+    ``training.assembly.assemble`` resolved them (the pre-flight check of a run plans the run it
+    checks), else of the parts resolved here abstractly (no tokenizer; for ``target_config`` instead
+    of the run's own target in a sweep over sizes)."""
+    if parts is None:
+        from dflash_jax.training.assembly import assemble
 
-    from dflash_jax.training.assembly import assemble
-
-    parts = assemble(cfg, abstract=True, target_dir=target_dir, target_config=target_config)
+        parts = assemble(cfg, abstract=True, target_config=target_config)
     train = cfg.train
     if max_anchors is not None or train_overrides:
         train = dataclasses.replace(
@@ -444,9 +422,9 @@ def spec_for_run(
         drafter_config=parts.drafter_config,
         train_section=train,
         target_dtype=cfg.target.dtype,
-        batch_rows=batch_rows or cfg.data.batch_size,
-        seq_len=seq_len or cfg.data.max_length,
-        cached_features=bool(cfg.data.features),
+        batch_rows=batch_rows or parts.data.batch_size,
+        seq_len=seq_len or parts.data.max_length,
+        cached_features=bool(parts.data.features),
     )
 
 
@@ -507,11 +485,12 @@ def describe(plan: LayoutPlan, device_memory: int | None) -> str:
     return "\n".join(lines)
 
 
-def preflight(cfg, devices, *, target_dir=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
-    """Plan the run's own config and mesh before any weight is read; raise PlanDoesNotFit (with
-    the numbers) when the step's per-device peak exceeds ``device_memory`` (default: what the
-    devices report; unknown on CPU, where nothing is refused)."""
-    spec = spec_for_run(cfg, target_dir=target_dir)
+def preflight(cfg, devices, *, parts=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
+    """Plan the run's own config and mesh before any weight is read (of ``parts``, the run's
+    resolved parts, else of the config's abstract parts); raise PlanDoesNotFit (with the numbers)
+    when the step's per-device peak exceeds ``device_memory`` (default: what the devices report;
+    unknown on CPU, where nothing is refused)."""
+    spec = spec_for_run(cfg, parts=parts)
     p = plan_layout(spec, cfg.mesh, devices)
     limit = device_memory if device_memory is not None else device_memory_limit(devices)
     text = describe(p, limit)
@@ -524,14 +503,14 @@ def preflight(cfg, devices, *, target_dir=None, device_memory: int | None = None
     return p, text
 
 
-def check_run_fits(cfg, target_dir, mesh, device_memory: int | None = None, *, quiet=False):
-    """Pre-flight: AOT-compile this run's step on abstract weights and refuse a run that cannot fit,
-    before the target is loaded. Runs when the devices report their memory (accelerators) or when
-    ``device_memory`` is given; CPU runs without it skip the compile."""
+def check_run_fits(cfg, parts, mesh, device_memory: int | None = None, *, quiet=False):
+    """Pre-flight: AOT-compile this run's step (of its resolved ``parts``) on abstract weights and
+    refuse a run that cannot fit, before the target is loaded. Runs when the devices report their
+    memory (accelerators) or when ``device_memory`` is given; CPU runs without it skip the compile."""
     devices = list(mesh.devices.flat)
     if device_memory is None and device_memory_limit(devices) is None:
         return None
-    p, text = preflight(cfg, devices, target_dir=target_dir, device_memory=device_memory)
+    p, text = preflight(cfg, devices, parts=parts, device_memory=device_memory)
     if not quiet:
         logging.getLogger("dflash_jax.train").info("pre-flight memory plan:\n%s", text)
     return p

@@ -451,7 +451,7 @@ def write_cache(
         overwrite=overwrite,
     )
     one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
-    rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(cfg.data.shards, 1))
+    rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(data_cfg.shards, 1))
     kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
 
     @nnx.jit
@@ -549,7 +549,7 @@ def ensure_for_run(cfg, parts, mesh, *, quiet: bool = False) -> Path | None:
     cache is never replaced: written to a temporary sibling and renamed)."""
     import jax
 
-    features = cfg.data.features
+    features = parts.data.features
     if features != "auto":
         return Path(features) if features else None
     path = auto_cache_dir(
@@ -591,7 +591,7 @@ def open_for_run(
     """The training iterator of a run with ``data.features``: the cache (``path``, default
     ``data.features``), checked against the run (``data_cfg``: the run's effective data config,
     regenerated sources included)."""
-    cache = FeatureCache(path or cfg.data.features)
+    cache = FeatureCache(path or data_cfg.features)
     check_identity(cache.identity, run_identity(cfg, data_cfg, target_dir, tokenizer, taps), str(cache.path))
     # Arrays stored in another dtype (--dtype) reach the step in the dtype the target computed
     # them in, as online, so the step compiles the same.

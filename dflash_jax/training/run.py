@@ -5,7 +5,7 @@ any model loads; the pre-flight memory plan (passed in by the entry point: the p
 ``dflash_jax.tools.plan``) runs before the target loads; the drafter is placed on the mesh before
 its optimizer is made; the held-out measurements bracket the loop. Each step of the wiring is
 owned elsewhere in ``dflash_jax.training``: ``assembly`` (target, tokenizer, data, drafter config,
-warm start), ``setup`` (checks, drafter initialisation), ``regen_cache`` (the target's own replies),
+warm start, the checks, the drafter's initialisation), ``regen_cache`` (the target's own replies),
 ``feature_cache`` (offline features), ``draft_vocab``, ``step`` (the jitted step), ``loop`` (steps,
 stop flags, checkpoints), ``evaluation`` (held-out metrics and tau), ``run_dir`` and ``metrics``.
 """
@@ -46,9 +46,9 @@ def run(
 ) -> dict:
     """Train per ``cfg``; returns a summary dict (plus the live ``drafter`` and ``target``).
 
-    ``preflight(cfg, target_dir, mesh, device_memory, quiet=...)`` runs before the target loads (the
-    entry point passes ``dflash_jax.tools.plan.check_run_fits``: the training package imports no
-    tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
+    ``preflight(cfg, parts, mesh, device_memory, quiet=...)`` runs before the target loads, on the
+    parts the run resolved (the entry point passes ``dflash_jax.tools.plan.check_run_fits``: the
+    training package imports no tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
     what the devices report).
     ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
@@ -59,32 +59,27 @@ def run(
     """
     from dflash_jax.data.pipeline import to_global_batch
     from dflash_jax.data.shards import merge_states
-    from dflash_jax.training import evaluation, feature_cache, setup
-    from dflash_jax.training.assembly import assemble
+    from dflash_jax.training import evaluation, feature_cache
+    from dflash_jax.training.assembly import assemble, load_parts, make_drafter
     from dflash_jax.training.loop import train_loop
     from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
     from dflash_jax.training.step import make_eval_step, make_optimizer, make_train_step
 
     t_start = time.perf_counter()
-    setup.check_data_sources(cfg)
-    setup.check_layout(cfg, jax.device_count(), jax.process_count())
+    # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
+    parts = assemble(cfg, init_from=init_from)
     primary = distributed.is_primary()  # the one process that logs and writes outputs
     resume = resume or resume_step is not None
     run_dir = _prepare_run_dir(cfg, primary, resume=resume, resume_step=resume_step, overwrite=overwrite)
     mesh = make_mesh(cfg.mesh)
     if jax.process_count() > 1:
-        _prepare_shared_files(cfg, run_dir, primary)
-
-    def before_target_loads(target_dir):
-        if preflight is not None:
-            preflight(cfg, target_dir, mesh, device_memory, quiet=quiet)
-
-    parts = assemble(
-        cfg, run_dir=run_dir, mesh=mesh, init_from=init_from, before_target_loads=before_target_loads
-    )
+        _prepare_shared_files(cfg, parts, primary)
+    if preflight is not None:  # before any weight is read
+        preflight(cfg, parts, mesh, device_memory, quiet=quiet)
+    parts = load_parts(cfg, parts, mesh=mesh)
     target, tokenizer, dcfg = parts.target, parts.tokenizer, parts.drafter_config
     features_dir = feature_cache.ensure_for_run(cfg, parts, mesh, quiet=quiet)
-    drafter = setup.make_drafter(
+    drafter = make_drafter(
         cfg, parts, mesh, resume=resume, features_dir=features_dir, run_dir=run_dir, quiet=quiet
     )
     parts = dataclasses.replace(parts, warm_source=None)  # its weights are in the drafter now
@@ -203,18 +198,18 @@ def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step
     return run_dir
 
 
-def _prepare_shared_files(cfg: RunConfig, run_dir: Path, primary: bool) -> None:
+def _prepare_shared_files(cfg: RunConfig, parts, primary: bool) -> None:
     """A multi-process run: what runs on one process only is refused; the files every process
-    reads (the tiny target, assets) are made once, by the primary, before the others read them."""
+    reads (the tiny target) are made once, by the primary, before the others read them."""
     if cfg.regen.enabled or cfg.eval.num_prompts:
         raise ConfigError(
             "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
             "eval.num_prompts=0 for a multi-process run (measure tau with python -m dflash_jax.eval)"
         )
-    from dflash_jax.training import setup
+    from dflash_jax.training.assembly import prepare_target_dir
 
     if primary:
-        setup.resolve_target(cfg, run_dir)
+        prepare_target_dir(cfg, parts)
     distributed.barrier("resolve_target")
 
 
@@ -325,7 +320,7 @@ def _open_training_data(cfg: RunConfig, parts, features_dir, data_state):
         data_iter = ShardedBatchIterator(
             parts.data,
             parts.tokenizer,
-            num_shards=resolve_num_shards(cfg.data.shards, jax.process_count(), data_state),
+            num_shards=resolve_num_shards(parts.data.shards, jax.process_count(), data_state),
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )

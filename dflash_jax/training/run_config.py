@@ -44,7 +44,7 @@ class TargetSection:
     tiny_num_layers: int = 4
     tiny_seed: int = 0
     # qwen3_5: hybrid, 3 Gated DeltaNet + 1 gated attention; qwen3_moe / gpt_oss / qwen3_5_moe:
-    # every layer a MoE block of 8 experts, top-2 (training/setup.py)
+    # every layer a MoE block of 8 experts, top-2 (target/tiny.py)
     tiny_model_type: Literal["qwen3", "qwen3_5", "qwen3_moe", "gpt_oss", "qwen3_5_moe"] = "qwen3"
 
 
@@ -52,7 +52,7 @@ class TargetSection:
 class DrafterSection:
     """The drafter's shape. A field left unset (None) comes from the warm-start source
     (``init_from``) when there is one, else from the default noted; a field set here that
-    disagrees with the source is an error naming both values (see training/setup.py).
+    disagrees with the source is an error naming both values (see drafter/build.py).
 
     The Qwen3.6-27B drafter of z-lab/SpecForge, for example: ``num_layers: 5``, ``layer_types:
     [sliding_attention, sliding_attention, sliding_attention, sliding_attention, full_attention]``,
@@ -62,7 +62,7 @@ class DrafterSection:
     num_layers: int | None = None  # default 1
     block_size: int | None = None  # default 16
     target_layer_ids: tuple[int, ...] | None = None  # default: z-lab's spacing over the target
-    mask_token_id: int | None = None  # default: a special token of the tokenizer (see setup.py)
+    mask_token_id: int | None = None  # default: a special token of the tokenizer (see drafter/build.py)
     intermediate_size: int | None = None  # default: the target's
     layer_types: tuple[LayerType, ...] | None = None  # per layer; default: all full_attention
     sliding_window: int | None = None  # positions a sliding_attention layer sees
@@ -73,7 +73,7 @@ class DrafterSection:
     attention_impl: AttentionImpl = "auto"  # a GPU-validated kernel (validated.json), else xla
     anchor_chunk: int = 16
     init_from: str | None = None  # a z-lab HF dir or one of our checkpoint dirs
-    # without init_from: random (N(0, 0.02)) or target (the target's own layers, training/setup.py)
+    # without init_from: random (N(0, 0.02)) or target (the target's own layers, drafter/init.py)
     init: Literal["random", "target"] = "random"
     # init: target only: the first of the num_layers consecutive target layers copied (default: the
     # last num_layers); fc then selects the tap of the layer before it when that is a tap
