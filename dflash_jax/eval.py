@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.decoding.evaluation import PromptError, evaluate, format_summary, load_prompts
     from dflash_jax.decoding.sampling import SamplingConfig
     from dflash_jax.loading import load_drafter
-    from dflash_jax.training import setup
+    from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
-    target_dir, tok_dir = setup.resolve_target(cfg, config.run_dir)
+    target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
     target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
     drafter_path = opts.drafter or config.run_dir
     # The drafter is checked against the target (sizes, layer ids) before anything runs.

@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.data import sources
     from dflash_jax.decoding.regeneration import read_records, regenerate_records
     from dflash_jax.decoding.sampling import SamplingConfig
-    from dflash_jax.training import setup
+    from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
-    target_dir, tok_dir = setup.resolve_target(cfg, config.run_dir)
+    target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
     target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     records = read_records(cfg.data.sources, cfg.regen.num_prompts, cfg.data.on_bad_record)
