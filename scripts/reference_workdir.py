@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.data import chat
     from dflash_jax.data.sources import read_chat_jsonl
     from dflash_jax.decoding.prompts import encode_prompt
+    from dflash_jax.training.assembly import resolve_tokenizer_dir
     from dflash_jax.training.evaluation import heldout_prompt_ids
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.assembly import resolve_tokenizer_dir
 
     cfg = load_run_config(args.config, args.overrides)
     tok_dir = resolve_tokenizer_dir(cfg.target)

@@ -339,8 +339,8 @@ def test_fresh_run_into_a_used_dir_is_refused_unless_overwrite(tmp_path, capsys)
 
 def test_tiny_target_cache_is_keyed_by_its_shape(tmp_path):
     """A cached tiny target of another size is never reused (it was: hidden 64 in a hidden-32 run)."""
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     dirs = {}
     for h in (32, 64, 32):
@@ -400,8 +400,8 @@ def test_numbers_like_6e_4_parse_and_anchor_bounds_are_checked_up_front():
 
 
 def test_truncated_target_weights_are_one_error_line(tmp_path, capsys):
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32"]).target
     target = make_tiny_target_dir(section, 49152, tmp_path / "t")
@@ -549,8 +549,8 @@ def _tiny_target_with_tokenizer(directory):
     import shutil
 
     from convert.smollm2 import smollm2_dir
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32", "target.tiny_num_layers=2"]).target
     target = make_tiny_target_dir(section, 49152, directory)
@@ -785,7 +785,10 @@ def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_pat
         ["--config", "tiny", f"output_dir={tmp_path / 'run'}", "--quiet", "data.shards=3"], capsys
     )
     assert rc == 2 and len(errors) == 1 and "data.shards=3" in errors[0], errors
-    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"]):
+    for argv in (
+        ["--config", "tiny", "--layouts", "tensor=x"],
+        ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"],
+    ):
         rc = mesh_experiment.main([*argv, "--out", str(tmp_path / "mesh")])
         errors = _errors(capsys)
         assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)

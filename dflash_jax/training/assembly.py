@@ -363,7 +363,9 @@ def check_run_layout(cfg: RunConfig, num_devices: int, process_count: int, *, on
 # --------------------------------------------------------------------------- the drafter
 
 
-def make_drafter(cfg: RunConfig, parts: RunParts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool):
+def make_drafter(
+    cfg: RunConfig, parts: RunParts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool
+):
     """The run's drafter before it is placed on the mesh: initialised (random, from the target's
     own layers with ``drafter.init: target``, or the warm start's weights) and, with a draft
     vocabulary, its ids chosen once (``draft_vocab.json`` in the run dir). A resume restores all of
