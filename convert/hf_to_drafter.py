@@ -4,7 +4,7 @@
 
 The result, ``CKPT_DIR/checkpoints/0/{state,meta,config}``, has the layout ``dflash_jax.train``
 writes (drafter params only, no optimizer state), so ``dflash_jax.train --init-from CKPT_DIR``
-fine-tunes it, ``dflash_jax.eval --drafter CKPT_DIR`` evaluates it and ``convert.drafter_to_hf``
+fine-tunes it, ``dflash_jax.eval eval.drafter=CKPT_DIR`` evaluates it and ``convert.drafter_to_hf``
 exports it again (identical weights with ``--dtype auto``; config.json may differ in formatting).
 
 Both HF layouts are read: z-lab's (``dflash_config`` in a Qwen3 config.json) and the

@@ -1,19 +1,26 @@
 """Evaluate a DFlash drafter by speculative decoding against its target (``python -m dflash_jax.eval``).
 
-  python -m dflash_jax.eval --target HF_DIR --drafter PATH --prompts FILE \
-      [--max-new-tokens N] [--block-size S] [--batch-size B] [--json OUT]
+  python -m dflash_jax.eval [--config NAME|YAML|RUN_DIR] [key=value ...] [--json OUT [--overwrite]]
 
-``--drafter``: one of our checkpoints (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF
-drafter directory (z-lab or speculators layout). ``--prompts``: JSONL of ``messages``, ``prompt`` or
-``input_ids`` lines (formats in ``dflash_jax.decoding.evaluation``); text prompts need a tokenizer
-(``--tokenizer``, default the target dir).
+The config is a run's (default ``demo``; a run directory reads the ``config.json`` its training
+saved): the target (``target.path``, ``target.tokenizer``), the dtypes it trained with
+(``target.dtype``, ``train.compute_dtype``), the thinking switch (``data.enable_thinking``) and the
+held-out prompts (``eval.num_prompts`` of at most ``eval.max_prompt_tokens`` tokens, answered with
+``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
+(:class:`EvalOptions`): ``eval.drafter`` (default: the run directory) is one of our checkpoints
+(run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF drafter directory (z-lab or
+speculators layout); ``eval.prompts=FILE`` replaces the held-out prompts by a JSONL of
+``messages``, ``prompt`` or ``input_ids`` lines (formats in ``dflash_jax.decoding.evaluation``).
+For example, a z-lab drafter of an HF target on a prompt file::
+
+  python -m dflash_jax.eval target.path=HF_DIR eval.drafter=DRAFTER_DIR eval.prompts=FILE
 
 Greedy by default: lossless, so the output equals the target's own greedy decoding, which is
-checked against plain KV-cache decoding unless ``--no-baseline`` (exit 1 on a mismatch). The
+checked against plain KV-cache decoding unless ``eval.baseline=false`` (exit 1 on a mismatch). The
 metrics (tau, histogram, per-position acceptance, forward and wall speedups) are described in
-``dflash_jax.decoding.evaluation``; timings exclude compilation unless ``--no-warmup``.
-``--temperature > 0`` samples with the standard speculative-sampling acceptance rule (lossless in
-distribution, not token-for-token; no baseline comparison is made then).
+``dflash_jax.decoding.evaluation``; timings exclude compilation unless ``eval.warmup=false``.
+``eval.temperature > 0`` samples with the standard speculative-sampling acceptance rule (lossless
+in distribution, not token-for-token; no baseline comparison is made then).
 """
 
 from __future__ import annotations
@@ -22,98 +29,165 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from dflash_jax.cli import check_output_free, cli
-from dflash_jax.decoding.evaluation import PromptError, evaluate, format_summary, load_prompts
-from dflash_jax.decoding.prompts import stop_token_ids
-from dflash_jax.dtypes import COMPUTE_DTYPE_NAMES
+from dflash_jax.config_io import check_fields
 
 log = logging.getLogger(__name__)
 
+PROG = "python -m dflash_jax.eval"
 
-def _stop_ids(args, target_config, tokenizer) -> tuple[int, ...]:
-    """--ignore-eos: none; --stop-token-ids: those, as given; else the target's and tokenizer's EOS ids."""
-    if args.ignore_eos:
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """The evaluator's keys of the ``eval`` section (the run's own are ``num_prompts``,
+    ``max_new_tokens``, ``max_prompt_tokens``, ...: ``training.run_config.EvalSection``)."""
+
+    drafter: str | None = None  # default: the run directory
+    step: int | None = None  # checkpoint step of eval.drafter (default: the latest)
+    prompts: str | None = None  # a JSONL file (default: the run's held-out prompts)
+    limit: int | None = None  # the first N prompts of eval.prompts
+    block_size: int | None = None  # default: the drafter's
+    batch_size: int = 8
+    temperature: float = 0.0  # > 0: speculative sampling (lossless in distribution)
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None  # default: the target's and tokenizer's EOS ids
+    ignore_eos: bool = False  # always generate eval.max_new_tokens tokens
+    # The drafter's attention while decoding (xla: a drafter trained with Pallas runs anywhere)
+    attention_impl: Literal["xla", "reference", "pallas"] = "xla"
+    baseline: bool = True  # plain KV-cache decoding too: the lossless check and the speedup
+    warmup: bool = True  # false: timings include compilation
+    # Near the length limit draft full blocks: fewer compiles; the last steps' acceptance may
+    # differ from z-lab's
+    fast_tail: bool = False
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"eval.block_size must be >= 2, got {self.block_size}")
+        for name in ("batch_size", "limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"eval.{name} must be >= 1, got {value}")
+        if self.step is not None and self.step < 0:
+            raise ValueError(f"eval.step must be >= 0, got {self.step}")
+        from dflash_jax.decoding.sampling import SamplingConfig
+
+        try:
+            SamplingConfig(self.temperature, self.top_p, self.top_k)
+        except ValueError as e:
+            raise ValueError(f"eval.{e}") from None
+
+
+# The flags of the command before it took a config, each with its new spelling.
+RENAMED_FLAGS = {
+    "--target": "target.path=DIR",
+    "--drafter": "eval.drafter=PATH",
+    "--step": "eval.step=N",
+    "--prompts": "eval.prompts=FILE",
+    "--tokenizer": "target.tokenizer=DIR",
+    "--max-new-tokens": "eval.max_new_tokens=N",
+    "--block-size": "eval.block_size=N",
+    "--batch-size": "eval.batch_size=N",
+    "--limit": "eval.limit=N",
+    "--temperature": "eval.temperature=T",
+    "--top-p": "eval.top_p=P",
+    "--top-k": "eval.top_k=K",
+    "--seed": "eval.seed=N",
+    "--stop-token-ids": "eval.stop_token_ids=[ID,...]",
+    "--ignore-eos": "eval.ignore_eos=true",
+    "--enable-thinking": "data.enable_thinking=true|false",
+    "--dtype": "target.dtype=DTYPE train.compute_dtype=DTYPE (default: the run's)",
+    "--attention-impl": "eval.attention_impl=IMPL",
+    "--no-baseline": "eval.baseline=false",
+    "--no-warmup": "eval.warmup=false",
+    "--fast-tail": "eval.fast_tail=true",
+}
+
+
+def parse_args(argv: list[str] | None = None):
+    """-> (argparse namespace, :class:`~dflash_jax.command_config.CommandConfig`)."""
+    from dflash_jax.command_config import load_command_config, reject_old_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    reject_old_flags(argv, RENAMED_FLAGS, PROG)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="demo", help="a shipped config name, a YAML path or a run directory")
+    p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.num_prompts=8")
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
+    return args, load_command_config(args.config, args.overrides, "eval", EvalOptions)
+
+
+def _stop_ids(opts: EvalOptions, target_config, tokenizer) -> tuple[int, ...]:
+    """eval.ignore_eos: none; eval.stop_token_ids: those; else the target's and tokenizer's EOS ids."""
+    from dflash_jax.decoding.prompts import stop_token_ids
+
+    if opts.ignore_eos:
         return ()
-    if args.stop_token_ids is not None:
-        return tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
+    if opts.stop_token_ids is not None:
+        return opts.stop_token_ids
     return stop_token_ids(target_config, tokenizer)
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="target HF model directory")
-    p.add_argument("--drafter", required=True, help="drafter: checkpoint dir or HF dir (z-lab/speculators)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step of --drafter (default: latest)")
-    p.add_argument("--prompts", required=True, help="JSONL of messages / prompt / input_ids")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir for text prompts (default: --target)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument(
-        "--temperature", type=float, default=0.0, help="> 0: speculative sampling (lossless in distribution)"
-    )
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-token-ids", default=None, help="comma-separated; default: the target's EOS ids")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument(
-        "--enable-thinking", choices=("on", "off"), default=None, help="chat template switch (Qwen3)"
-    )
-    p.add_argument(
-        "--dtype", default="float32", choices=COMPUTE_DTYPE_NAMES, help="target and drafter compute dtype"
-    )
-    p.add_argument("--attention-impl", default="xla", choices=("xla", "reference", "pallas"))
-    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no tokens/s comparison)")
-    p.add_argument("--no-warmup", action="store_true", help="timings then include compilation")
-    p.add_argument(
-        "--fast-tail",
-        action="store_true",
-        help="near the length limit draft full blocks (fewer compiles; last steps' acceptance may differ from z-lab)",
-    )
-    p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
-    args = p.parse_args(argv)
+    args, config = parse_args(argv)
     if args.json:
         check_output_free(args.json, overwrite=args.overwrite, flag="--json")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg, opts = config.run, config.options
 
     import dflash_jax
+    from dflash_jax.decoding.evaluation import PromptError, evaluate, format_summary, load_prompts
     from dflash_jax.decoding.sampling import SamplingConfig
     from dflash_jax.loading import load_drafter
+    from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
-    try:
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        target = dflash_jax.load_target(args.target, dtype=args.dtype)
-        # The drafter is checked against the target (sizes, layer ids) before anything runs.
-        drafter = load_drafter(
-            args.drafter, target, step=args.step, attention_impl=args.attention_impl, compute_dtype=args.dtype
+    target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
+    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
+    drafter_path = opts.drafter or config.run_dir
+    # The drafter is checked against the target (sizes, layer ids) before anything runs.
+    drafter = load_drafter(
+        drafter_path,
+        target,
+        step=opts.step,
+        attention_impl=opts.attention_impl,
+        compute_dtype=cfg.train.compute_dtype,
+    )
+    tok_holder: list = []
+
+    def tokenizer():
+        from transformers import AutoTokenizer
+
+        try:
+            tok_holder.append(AutoTokenizer.from_pretrained(tok_dir))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types
+            raise PromptError(f"cannot load a tokenizer from {tok_dir}: {e}") from e
+        return tok_holder[-1]
+
+    if opts.prompts is not None:
+        records = load_prompts(
+            opts.prompts, tokenizer, enable_thinking=cfg.data.enable_thinking, limit=opts.limit
         )
-        tok_holder: list = []
+    else:
+        from dflash_jax.training.evaluation import heldout_prompt_ids
 
-        def tokenizer():
-            from transformers import AutoTokenizer
-
-            src = args.tokenizer or args.target
-            try:
-                tok_holder.append(AutoTokenizer.from_pretrained(src))
-            except Exception as e:  # noqa: BLE001 - transformers raises many types
-                raise PromptError(f"cannot load a tokenizer from {src}: {e}") from e
-            return tok_holder[-1]
-
-        thinking = None if args.enable_thinking is None else args.enable_thinking == "on"
-        records = load_prompts(args.prompts, tokenizer, enable_thinking=thinking, limit=args.limit)
-        tok = tok_holder[-1] if tok_holder else None
-        stops = _stop_ids(args, target.config, tok)
-        if args.block_size is not None and args.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        held = heldout_prompt_ids(cfg, tokenizer())
+        records = [{"id": f"heldout-{i}", "input_ids": ids} for i, ids in enumerate(held)]
+        if not records:
+            raise PromptError(
+                "the run has no held-out prompts (eval.num_prompts=0, or no data.heldout_count / "
+                "data.heldout_fraction): set eval.prompts=FILE or eval.num_prompts=N"
+            )
+    tok = tok_holder[-1] if tok_holder else None
+    stops = _stop_ids(opts, target.config, tok)
 
     log.info("evaluating %d prompts, stop tokens %s", len(records), list(stops))
     report = evaluate(
@@ -121,19 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         drafter,
         [r["input_ids"] for r in records],
         ids=[r["id"] for r in records],
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=cfg.eval.max_new_tokens,
         stop_token_ids=stops,
-        block_size=args.block_size,
-        sampling=sampling,
-        batch_size=args.batch_size,
-        baseline=not args.no_baseline,
-        warmup=not args.no_warmup,
-        seed=args.seed,
+        block_size=opts.block_size,
+        sampling=SamplingConfig(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k),
+        batch_size=opts.batch_size,
+        baseline=opts.baseline,
+        warmup=opts.warmup,
+        seed=opts.seed,
         progress=True,
-        exact_tail=not args.fast_tail,
-        attention_impl=args.attention_impl,
+        exact_tail=not opts.fast_tail,
+        attention_impl=opts.attention_impl,
     )
-    report["summary"].update(target=str(args.target), drafter=str(args.drafter), stop_token_ids=list(stops))
+    report["summary"].update(target=str(target_dir), drafter=str(drafter_path), stop_token_ids=list(stops))
     if tok is not None:
         for row in report["prompts"]:
             row["output_text"] = tok.decode(row["output_ids"], skip_special_tokens=True)

@@ -4,7 +4,16 @@ DFlash drafters learn to predict the *target's* continuations, so training data 
 answering each prompt with the target (greedy or sampled), KV-cached and batched in JAX. The
 output is chat JSONL (OpenAI ``messages``) that the data pipeline reads.
 
-  python -m dflash_jax.regenerate --target DIR --data sharegpt --out regen.jsonl --num-prompts 800
+  python -m dflash_jax.regenerate [--config NAME|YAML|RUN_DIR] [key=value ...] --out FILE [--overwrite]
+
+The config is a run's (default ``demo``): the target (``target.path``, ``target.tokenizer``,
+``target.dtype``), the prompts (the first ``regen.num_prompts`` records of ``data.sources``, a chat
+JSON/JSONL path or ``sharegpt``, each of at most ``regen.max_prompt_tokens`` tokens), the thinking
+switch (``data.enable_thinking``) and the answers (``regen.max_new_tokens``, ``regen.batch_size``,
+``regen.temperature``). The command's own keys, ``regen.top_p`` and ``regen.seed``, sit in the
+same section (:class:`RegenerateOptions`). For example::
+
+  python -m dflash_jax.regenerate target.path=HF_DIR data.sources=sharegpt regen.num_prompts=800 --out regen.jsonl
 """
 
 from __future__ import annotations
@@ -12,58 +21,94 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 
 from dflash_jax.cli import UserError, check_output_free, cli
-from dflash_jax.data import sources
-from dflash_jax.decoding.regeneration import read_records, regenerate_records
-from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.config_io import check_fields
 
 log = logging.getLogger(__name__)
 
+PROG = "python -m dflash_jax.regenerate"
 
-@cli
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HF model directory of the target (or 'smollm2')")
-    p.add_argument("--data", required=True, help="chat JSON/JSONL path, or 'sharegpt'")
+
+@dataclass(frozen=True)
+class RegenerateOptions:
+    """The command's keys of the ``regen`` section (the run's own are ``num_prompts``,
+    ``max_new_tokens``, ``max_prompt_tokens``, ``batch_size``, ``temperature``, ...:
+    ``training.run_config.RegenSection``)."""
+
+    top_p: float = 1.0  # with regen.temperature > 0
+    seed: int = 0  # of the sampling
+
+    def __post_init__(self):
+        check_fields(self)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"regen.top_p must be in (0, 1], got {self.top_p}")
+
+
+# The flags of the command before it took a config, each with its new spelling.
+RENAMED_FLAGS = {
+    "--target": "target.path=DIR",
+    "--data": "data.sources=PATH (or sharegpt)",
+    "--num-prompts": "regen.num_prompts=N",
+    "--max-new-tokens": "regen.max_new_tokens=N",
+    "--max-prompt-tokens": "regen.max_prompt_tokens=N",
+    "--batch-size": "regen.batch_size=N",
+    "--temperature": "regen.temperature=T",
+    "--top-p": "regen.top_p=P",
+    "--enable-thinking": "data.enable_thinking=true|false",
+    "--dtype": "target.dtype=DTYPE (default: the run's)",
+    "--seed": "regen.seed=N",
+}
+
+
+def parse_args(argv: list[str] | None = None):
+    """-> (argparse namespace, :class:`~dflash_jax.command_config.CommandConfig`)."""
+    from dflash_jax.command_config import load_command_config, reject_old_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    reject_old_flags(argv, RENAMED_FLAGS, PROG)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="demo", help="a shipped config name, a YAML path or a run directory")
     p.add_argument(
         "--out", required=True, help="output chat JSONL (an existing file is kept unless --overwrite)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--enable-thinking", choices=["true", "false"], default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. regen.num_prompts=800")
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
+    return args, load_command_config(args.config, args.overrides, "regen", RegenerateOptions)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
     # Before the target loads: a regenerated file can cost hours of accelerator time.
     check_output_free(args.out, overwrite=args.overwrite)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    cfg, opts = config.run, config.options
 
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from convert.smollm2 import smollm2_dir
+    from dflash_jax.data import sources
+    from dflash_jax.decoding.regeneration import read_records, regenerate_records
+    from dflash_jax.decoding.sampling import SamplingConfig
+    from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
-    target_dir = smollm2_dir() if args.target == "smollm2" else args.target
-    target = dflash_jax.load_target(target_dir, dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    records = read_records(args.data, args.num_prompts)
-    thinking = None if args.enable_thinking is None else args.enable_thinking == "true"
+    target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
+    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    records = read_records(cfg.data.sources, cfg.regen.num_prompts, cfg.data.on_bad_record)
     out, report = regenerate_records(
         target,
         tokenizer,
         records,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        batch_size=args.batch_size,
-        sampling=SamplingConfig(args.temperature, args.top_p),
-        enable_thinking=thinking,
-        seed=args.seed,
+        max_new_tokens=cfg.regen.max_new_tokens,
+        max_prompt_tokens=cfg.regen.max_prompt_tokens,
+        batch_size=cfg.regen.batch_size,
+        sampling=SamplingConfig(cfg.regen.temperature, opts.top_p),
+        enable_thinking=cfg.data.enable_thinking,
+        seed=opts.seed,
     )
     if not out:
         raise UserError(f"nothing to write to {args.out} ({args.out} left as it was): {report.summary()}")

@@ -19,12 +19,13 @@ PYEOF
 }
 
 ab_evaluate() {  # OUT NAME...: OUT/NAME-zlab on OUT/prompts.jsonl -> OUT/NAME-eval.json (done ones skipped)
-  local out=$1 name target; shift
-  target=$(PYTHONPATH=$REPO "$PY" -c 'from convert.smollm2 import smollm2_dir; print(smollm2_dir())')
+  local out=$1 name; shift
   for name in "$@"; do
     [ -f "$out/$name-eval.json" ] && continue
-    PYTHONPATH=$REPO "$PY" -m dflash_jax.eval --target "$target" --drafter "$out/$name-zlab" \
-      --prompts "$out/prompts.jsonl" --max-new-tokens 128 --batch-size 32 --no-baseline --no-warmup \
+    # The demo's target (SmolLM2) in float32, as every A/B drafter has been evaluated.
+    PYTHONPATH=$REPO "$PY" -m dflash_jax.eval --config demo target.dtype=float32 train.compute_dtype=float32 \
+      eval.drafter="$out/$name-zlab" eval.prompts="$out/prompts.jsonl" eval.max_new_tokens=128 \
+      eval.batch_size=32 eval.baseline=false eval.warmup=false \
       --json "$out/$name-eval.json" > "$out/$name-eval.log" 2>&1 \
       || { echo "evaluation of $name failed: see $out/$name-eval.log" >&2; return 1; }
   done

@@ -10,7 +10,7 @@ Writes ``prompts.json`` (``eval``: the run's held-out prompt ids, the ones its e
 ``train``: the training prompts) and ``regen.json`` (prompt ids + reply ids, tokenized as our data
 pipeline does, truncated at ``data.max_length``), which ref_train.py then reads instead of drawing
 and regenerating its own; and ``heldout_prompts.jsonl`` (``input_ids`` lines) for
-``python -m dflash_jax.eval --prompts`` on the reference's drafter.
+``python -m dflash_jax.eval eval.prompts=FILE`` on the reference's drafter.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.data import chat
     from dflash_jax.data.sources import read_chat_jsonl
     from dflash_jax.decoding.prompts import encode_prompt
+    from dflash_jax.training.assembly import resolve_tokenizer_dir
     from dflash_jax.training.evaluation import heldout_prompt_ids
     from dflash_jax.training.run_config import load_run_config
-    from dflash_jax.training.assembly import resolve_tokenizer_dir
 
     cfg = load_run_config(args.config, args.overrides)
     tok_dir = resolve_tokenizer_dir(cfg.target)

@@ -49,7 +49,9 @@ def test_a_run_with_the_preflight_is_resolved_once(tmp_path, monkeypatch):
     real = assembly.assemble
     monkeypatch.setattr(assembly, "assemble", lambda *a, **k: calls.append(1) or real(*a, **k))
     real_spec = plan.spec_for_run
-    monkeypatch.setattr(plan, "spec_for_run", lambda cfg, **k: planned.append(k.get("parts")) or real_spec(cfg, **k))
+    monkeypatch.setattr(
+        plan, "spec_for_run", lambda cfg, **k: planned.append(k.get("parts")) or real_spec(cfg, **k)
+    )
     cfg = load_run_config("tiny", [f"output_dir={tmp_path / 'run'}", "train.steps=1"])
     run(cfg, quiet=True, preflight=plan.check_run_fits, device_memory=2**40)
     assert len(calls) == 1

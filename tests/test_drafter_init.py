@@ -16,9 +16,9 @@ import dflash_jax
 from dflash_jax.config_io import ConfigError
 from dflash_jax.drafter.api import get_params, init_drafter
 from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.drafter.init import init_from_target_layers
 from dflash_jax.nested import flatten
 from dflash_jax.training.run_config import load_run_config
-from dflash_jax.drafter.init import init_from_target_layers
 
 
 @pytest.fixture(scope="module")

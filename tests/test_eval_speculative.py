@@ -196,21 +196,17 @@ def test_eval_cli_report(setup, tmp_path, capsys):
     out = tmp_path / "report.json"
     rc = ev.main(
         [
-            "--target",
-            str(setup["dir"]),
-            "--drafter",
-            str(hf_dir),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            str(MAX_NEW),
-            "--batch-size",
-            "4",
-            "--block-size",
-            str(BLOCK),
-            "--attention-impl",
-            "xla",
-            "--no-warmup",
+            "--config",
+            "tiny",  # float32 target and drafter: the run's dtypes are the evaluator's
+            f"target.path={setup['dir']}",
+            "target.tokenizer=null",
+            f"eval.drafter={hf_dir}",
+            f"eval.prompts={prompts}",
+            f"eval.max_new_tokens={MAX_NEW}",
+            "eval.batch_size=4",
+            f"eval.block_size={BLOCK}",
+            "eval.attention_impl=xla",
+            "eval.warmup=false",
             "--json",
             str(out),
         ]
@@ -250,7 +246,15 @@ def test_eval_rejects_bad_drafter_before_running(setup, tmp_path, capsys):
     hf_dir = write_zlab_drafter(tmp_path / "bad", cfg, params, dtype="float32")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
-    rc = ev.main(["--target", str(setup["dir"]), "--drafter", str(hf_dir), "--prompts", str(prompts)])
+    rc = ev.main(
+        [
+            "--config",
+            "tiny",
+            f"target.path={setup['dir']}",
+            f"eval.drafter={hf_dir}",
+            f"eval.prompts={prompts}",
+        ]
+    )
     assert rc == 2
     assert "hidden_size=32" in capsys.readouterr().err
 

@@ -169,16 +169,15 @@ def test_regenerate_cli_writes_data_the_pipeline_reads(smollm2, tmp_path):
     assert (
         regenerate_main(
             [
-                "--target",
-                str(path),
-                "--data",
-                str(src),
+                "--config",
+                "tiny",
+                f"target.path={path}",
+                "target.tokenizer=null",
+                f"data.sources={src}",
+                "regen.max_new_tokens=12",
+                "regen.batch_size=4",
                 "--out",
                 str(out),
-                "--max-new-tokens",
-                "12",
-                "--batch-size",
-                "4",
             ]
         )
         == 0

@@ -64,11 +64,11 @@ def test_training_compiles_the_step_once(tmp_path):
 def test_speculative_eval_compiles_per_bucket_not_per_prompt(tmp_path):
     import numpy as np
 
+    from convert.tiny_target import make_tiny_target_dir
     from dflash_jax.decoding.evaluation import evaluate
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.drafter.config import DrafterConfig
     from dflash_jax.loading import load_target
-    from convert.tiny_target import make_tiny_target_dir
 
     cfg = load_run_config("tiny", [f"output_dir={tmp_path}"])
     target = load_target(make_tiny_target_dir(cfg.target, 512, tmp_path / "t"))

@@ -339,8 +339,8 @@ def test_fresh_run_into_a_used_dir_is_refused_unless_overwrite(tmp_path, capsys)
 
 def test_tiny_target_cache_is_keyed_by_its_shape(tmp_path):
     """A cached tiny target of another size is never reused (it was: hidden 64 in a hidden-32 run)."""
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     dirs = {}
     for h in (32, 64, 32):
@@ -400,8 +400,8 @@ def test_numbers_like_6e_4_parse_and_anchor_bounds_are_checked_up_front():
 
 
 def test_truncated_target_weights_are_one_error_line(tmp_path, capsys):
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32"]).target
     target = make_tiny_target_dir(section, 49152, tmp_path / "t")
@@ -422,8 +422,27 @@ def test_every_cli_reports_expected_errors_the_same_way(tmp_path, capsys):
     cases = [
         (drafter_to_hf.main, ["--checkpoint", missing, "--out", str(tmp_path / "o1")]),
         (hf_to_drafter.main, ["--hf", missing, "--out", str(tmp_path / "o2")]),
-        (eval_cli.main, ["--drafter", missing, "--target", missing, "--prompts", missing]),
-        (regenerate.main, ["--target", missing, "--data", missing, "--out", str(tmp_path / "o3.jsonl")]),
+        (
+            eval_cli.main,
+            [
+                "--config",
+                "tiny",
+                f"target.path={missing}",
+                f"eval.drafter={missing}",
+                f"eval.prompts={missing}",
+            ],
+        ),
+        (
+            regenerate.main,
+            [
+                "--config",
+                "tiny",
+                f"target.path={missing}",
+                f"data.sources={missing}",
+                "--out",
+                str(tmp_path / "o3.jsonl"),
+            ],
+        ),
     ]
     for fn, argv in cases:
         rc = fn(argv)
@@ -530,8 +549,8 @@ def _tiny_target_with_tokenizer(directory):
     import shutil
 
     from convert.smollm2 import smollm2_dir
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     section = load_run_config("tiny", ["target.tiny_hidden_size=32", "target.tiny_num_layers=2"]).target
     target = make_tiny_target_dir(section, 49152, directory)
@@ -552,7 +571,15 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     from dflash_jax import regenerate
 
     target = _tiny_target_with_tokenizer(tmp_path / "target")
-    base = ["--target", str(target), "--data", chats, "--num-prompts", "2", "--max-new-tokens", "2"]
+    base = [
+        "--config",
+        "tiny",
+        f"target.path={target}",
+        "target.tokenizer=null",  # the target dir's own tokenizer
+        f"data.sources={chats}",
+        "regen.num_prompts=2",
+        "regen.max_new_tokens=2",
+    ]
     out = tmp_path / "regen.jsonl"
     out.write_bytes(b"hours of GPU time\n")
     assert regenerate.main([*base, "--out", str(out)]) == 2
@@ -561,7 +588,7 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     assert out.read_bytes() == b"hours of GPU time\n"
 
     empty = tmp_path / "empty.jsonl"
-    assert regenerate.main([*base, "--out", str(empty), "--max-prompt-tokens", "1"]) == 2
+    assert regenerate.main([*base, "--out", str(empty), "regen.max_prompt_tokens=1"]) == 2
     errors = _errors(capsys)
     assert len(errors) == 1 and "nothing to write" in errors[0] and "over the length limit" in errors[0]
     assert not empty.exists()
@@ -578,7 +605,7 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
     for fn, argv, flag in [
         (
             eval_cli.main,
-            ["--drafter", missing, "--target", missing, "--prompts", missing, "--json", str(report)],
+            ["--config", "tiny", f"eval.drafter={missing}", f"eval.prompts={missing}", "--json", str(report)],
             "--json",
         ),
         (
@@ -592,7 +619,8 @@ def test_26_1_regenerate_never_replaces_a_file_and_fails_when_it_writes_nothing(
         assert len(errors) == 1 and f"{flag} " in errors[0] and "--overwrite" in errors[0], errors
     assert report.read_text() == "{}" and (tmp_path / "mesh" / "layouts.csv").read_text() == "mine"
 
-    sampled = ["--temperature", "1.0", "--max-new-tokens", "8"]  # the random target's greedy answer is blank
+    # the random target's greedy answer is blank
+    sampled = ["regen.temperature=1.0", "regen.max_new_tokens=8"]
     assert regenerate.main([*base, *sampled, "--out", str(out), "--overwrite"]) == 0
     assert out.read_bytes() != b"hours of GPU time\n" and sources.read_chat_jsonl(out)
 
@@ -757,7 +785,10 @@ def test_26_9_errors_name_the_key_and_every_cli_takes_the_one_error_path(tmp_pat
         ["--config", "tiny", f"output_dir={tmp_path / 'run'}", "--quiet", "data.shards=3"], capsys
     )
     assert rc == 2 and len(errors) == 1 and "data.shards=3" in errors[0], errors
-    for argv in (["--config", "tiny", "--layouts", "tensor=x"], ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"]):
+    for argv in (
+        ["--config", "tiny", "--layouts", "tensor=x"],
+        ["--config", "tiny", "--layouts", "data=1", "target.path=/nonexistent"],
+    ):
         rc = mesh_experiment.main([*argv, "--out", str(tmp_path / "mesh")])
         errors = _errors(capsys)
         assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)

@@ -21,11 +21,11 @@ def _program(lowered) -> str:
 
 
 def test_trainer_and_planner_lower_the_same_train_step(tmp_path):
+    from convert.tiny_target import make_tiny_target_dir
     from dflash_jax.drafter.api import init_drafter
     from dflash_jax.loading import load_target
     from dflash_jax.sharding import make_mesh, shard_module
     from dflash_jax.tools import plan
-    from convert.tiny_target import make_tiny_target_dir
     from dflash_jax.training.step import make_optimizer, make_train_step
 
     cfg = load_run_config("tiny", [f"output_dir={tmp_path}", "mesh=data=2,fsdp=2,tensor=2"])

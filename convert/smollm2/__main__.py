@@ -10,7 +10,7 @@ from convert.logs import add_verbose_flag, configure_logging
 from convert.smollm2 import prepare_smollm2
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m convert.smollm2",
         description="Convert the packaged SmolLM2-135M-Instruct GGUF into an HF safetensors directory.",
@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configure_logging(args.verbose)
     print(prepare_smollm2(args.cache_dir, out_dir=args.out, force=args.force))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -155,11 +155,13 @@ def dataset_replies(
     return result, report
 
 
-def read_records(source: str, limit: int | None, on_bad_record: str = "skip") -> list[dict]:
-    """The first ``limit`` normalised records of a chat source (path or 'sharegpt'), bad ones skipped."""
+def read_records(source: str | Sequence[str], limit: int | None, on_bad_record: str = "skip") -> list[dict]:
+    """The first ``limit`` normalised records of chat sources (paths or 'sharegpt', read in
+    order), bad ones skipped."""
     from dflash_jax.data.pipeline import DataConfig, load_index
 
-    cfg = DataConfig(sources=(source,), max_records=limit, on_bad_record=on_bad_record)
+    sources_ = (source,) if isinstance(source, str) else tuple(source)
+    cfg = DataConfig(sources=sources_, max_records=limit, on_bad_record=on_bad_record)
     index, _ = load_index(cfg)
     src = sources.RecordSource(index)
     try:

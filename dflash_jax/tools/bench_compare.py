@@ -101,8 +101,8 @@ def target_dir(small: bool) -> Path:
         from convert.smollm2 import smollm2_dir
 
         return smollm2_dir()
-    from dflash_jax.training.run_config import load_run_config
     from convert.tiny_target import make_tiny_target_dir
+    from dflash_jax.training.run_config import load_run_config
 
     section = load_run_config("tiny", []).target
     return make_tiny_target_dir(section, 512, Path(tempfile.gettempdir()) / "dflash_bench_tiny_target")

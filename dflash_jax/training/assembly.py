@@ -283,6 +283,17 @@ def resolve_tokenizer_dir(section: TargetSection) -> Path:
     return Path(tok) if tok else resolve_target_dir(section)
 
 
+def target_and_tokenizer_dirs(cfg: RunConfig, run_dir: Path) -> tuple[Path, Path]:
+    """(target dir, tokenizer dir) for a command that loads the target outside a training run
+    (``eval``, ``regenerate``): a tiny target is made in ``run_dir`` as a run makes it."""
+    tok_dir = resolve_tokenizer_dir(cfg.target)
+    if cfg.target.path != "tiny":
+        return resolve_target_dir(cfg.target), tok_dir
+    from convert.tiny_target import make_tiny_target_dir
+
+    return make_tiny_target_dir(cfg.target, _tokenizer_size(cfg.target), Path(run_dir)), tok_dir
+
+
 def _existing_dir(path: str, key: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
@@ -352,7 +363,9 @@ def check_run_layout(cfg: RunConfig, num_devices: int, process_count: int, *, on
 # --------------------------------------------------------------------------- the drafter
 
 
-def make_drafter(cfg: RunConfig, parts: RunParts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool):
+def make_drafter(
+    cfg: RunConfig, parts: RunParts, mesh, *, resume: bool, features_dir, run_dir: Path, quiet: bool
+):
     """The run's drafter before it is placed on the mesh: initialised (random, from the target's
     own layers with ``drafter.init: target``, or the warm start's weights) and, with a draft
     vocabulary, its ids chosen once (``draft_vocab.json`` in the run dir). A resume restores all of
