@@ -6,8 +6,10 @@ any model loads; the pre-flight memory plan (passed in by the entry point: the p
 its optimizer is made; the held-out measurements bracket the loop. Each step of the wiring is
 owned elsewhere in ``dflash_jax.training``: ``assembly`` (target, tokenizer, data, drafter config,
 warm start), ``setup`` (checks, drafter initialisation), ``regen_cache`` (the target's own replies),
-``feature_cache`` (offline features), ``draft_vocab``, ``step`` (the jitted step), ``loop`` (steps,
-stop flags, checkpoints), ``evaluation`` (held-out metrics and tau), ``run_dir`` and ``metrics``.
+``feature_cache`` (offline features), ``draft_vocab``, ``step`` (the jitted step), ``trainer`` (the
+loop: step, state, clock), ``hooks`` (signals, metrics, checkpoints, the tau curve, stops),
+``schedule`` (learning rate, time budget), ``evaluation`` (held-out metrics and tau), ``run_dir``
+and ``metrics``. The loop's wiring (:func:`_trainer`) lists the hooks in the order they act.
 """
 
 from __future__ import annotations
@@ -143,10 +145,10 @@ def run(
     logger.close()
     if primary:
         result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
-    result["checkpoint_dir"] = str(ckpt.directory)
-    result["total_seconds"] = time.perf_counter() - t_start
-    result["drafter"] = drafter
-    result["target"] = target
+    total_seconds = time.perf_counter() - t_start
+    result.update(
+        checkpoint_dir=str(ckpt.directory), total_seconds=total_seconds, drafter=drafter, target=target
+    )
     return result
 
 
