@@ -2,6 +2,7 @@
 
 Fast and without jax: reads the tracked Markdown files only.
 """
+
 import pathlib
 import re
 import subprocess
@@ -99,4 +100,6 @@ def test_readme_first_screen():
 def test_benchmarks_stays_short():
     path = ROOT / "BENCHMARKS.md"
     count = len(path.read_text(encoding="utf-8").splitlines())
-    assert count < 400, f"BENCHMARKS.md: {count} lines (must be fewer than 400: move history to docs/experiments.md)"
+    assert count < 400, (
+        f"BENCHMARKS.md: {count} lines (must be fewer than 400: move history to docs/experiments.md)"
+    )

@@ -7,7 +7,7 @@ import time
 
 from tqdm import tqdm
 
-from dflash_jax.training.loop import _follow_time_limit
+from dflash_jax.training.hooks import _follow_time_limit
 from dflash_jax.training.run_config import load_run_config
 
 

@@ -336,8 +336,8 @@ def test_warm_start_keeps_the_source_drafters_shape(tmp_path):
 def test_learning_rate_matches_optax_schedule():
     import optax
 
-    from dflash_jax.training.loop import learning_rate
     from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.schedule import learning_rate
 
     train = TrainSection(steps=50, warmup_steps=5, learning_rate=1e-3, end_lr_ratio=0.1)
     for decay_steps in (50, 23):
@@ -357,10 +357,13 @@ class _Clock:
 
 
 def _timed_loop(step_seconds, limit_minutes: float, steps: int = 400):
-    """``train_loop`` with a fake clock: step n (1-based) takes ``step_seconds(n)`` seconds.
-    -> (the loop's result, the schedule lengths it reported, the rate of every step)."""
-    from dflash_jax.training.loop import train_loop
+    """The Trainer with the run's schedule and time-limit hooks and a fake clock: step n (1-based)
+    takes ``step_seconds(n)`` seconds. -> (the loop's result, the schedule, the schedule lengths it
+    reported, the rate of every step)."""
+    from dflash_jax.training.hooks import StopAt
     from dflash_jax.training.run_config import TrainSection
+    from dflash_jax.training.schedule import LearningRateSchedule
+    from dflash_jax.training.trainer import Trainer, TrainState
 
     clock = _Clock()
     rates = []
@@ -390,56 +393,47 @@ def _timed_loop(step_seconds, limit_minutes: float, steps: int = 400):
         def get_state(self):
             return {"i": self.i}
 
-    class Logger:
-        def log(self, step, metrics):
-            pass
-
     told = []
     train = TrainSection(
         steps=steps, warmup_steps=2, learning_rate=1e-3, time_limit_minutes=limit_minutes, log_every=5
     )
-    done = train_loop(
-        train,
-        train_step=train_step,
-        drafter=None,
-        optimizer=None,
-        target=None,
-        data_iter=Batches(),
-        put=lambda b: b,
-        save=lambda step, force, data_state: None,
-        logger=Logger(),
-        quiet=True,
-        on_decay_steps=told.append,
-        clock=clock,
+    schedule = LearningRateSchedule(train, on_decay_steps=told.append)
+    trainer = Trainer(
+        train, train_step, target=None, put=lambda b: b, learning_rate=schedule.rate, clock=clock
     )
-    return done, told, rates
+    trainer.add_hook(schedule)
+    trainer.add_hook(StopAt(minutes=train.time_limit_minutes))
+    done = trainer.train(TrainState(None, None), Batches())
+    return done, schedule, told, rates
 
 
 def test_time_budget_sets_the_schedule_length():
     """With a 1-minute budget and 2 s steps (after a 30 s compile), ~15 steps fit: the rate is
     decayed by the last of them, although train.steps is 400."""
-    from dflash_jax.training.loop import TIMED_STEPS
+    from dflash_jax.training.schedule import TIMED_STEPS
 
-    done, told, rates = _timed_loop(lambda n: 30.0 if n == 1 else 2.0, 1.0)
+    done, schedule, told, rates = _timed_loop(lambda n: 30.0 if n == 1 else 2.0, 1.0)
     # 30 s compile + 2 s/step: after 1 + TIMED_STEPS steps (36 s), (60 - 36) / 2 = 12 more fit; the
     # second measurement (after 10 % of the budget) finds the same step time and changes nothing.
-    assert told == [1 + TIMED_STEPS + 12] == [done.decay_steps]
-    assert done.step == 17  # the budget check stops after the first step past 60 s
-    assert rates[done.decay_steps - 1] < 0.12e-3, "decayed to ~end_lr by the last step that fits"
-    assert rates[done.decay_steps] == rates[-1] == pytest.approx(1e-4), "end_lr past the estimate"
+    assert told == [1 + TIMED_STEPS + 12] == [schedule.decay_steps]
+    assert done.step == 17 and done.stop_reason == "time limit"  # the first step past 60 s
+    assert rates[schedule.decay_steps - 1] < 0.12e-3, "decayed to ~end_lr by the last step that fits"
+    assert rates[schedule.decay_steps] == rates[-1] == pytest.approx(1e-4), "end_lr past the estimate"
     assert rates[2] == pytest.approx(1e-3)  # warm-up done, peak
 
 
 def test_time_budget_measures_the_step_again_when_it_slows():
     """The first steps after compiling run faster than the rest (checkpoint saves, logging): the
     schedule's length is measured again after 10 % of the budget, so the rate still ends decayed."""
-    from dflash_jax.training.loop import REFINE_FRACTION
+    from dflash_jax.training.schedule import REFINE_FRACTION
 
     assert REFINE_FRACTION == 0.1
     # 10 minutes: a 30 s compile, 10 steps of 1 s, then 1.25 s a step.
-    done, told, rates = _timed_loop(lambda n: 30.0 if n == 1 else 1.0 if n <= 11 else 1.25, 10.0, steps=2000)
+    done, schedule, told, rates = _timed_loop(
+        lambda n: 30.0 if n == 1 else 1.0 if n <= 11 else 1.25, 10.0, steps=2000
+    )
     # step 4 (33 s): 1 s a step, 4 + 567 fit; step 51 (90 s, 60 s after compiling): 1.2 s a step, 51 + 425
-    assert told == [571, 476] and done.decay_steps == 476
+    assert told == [571, 476] and schedule.decay_steps == 476
     assert done.step == 460  # 40 + 1.25 * (460 - 11) > 600
     # from the first estimate alone the last rate would be 1.84e-4 (80 % of the way down)
     assert rates[-1] < 1.05e-4
@@ -450,9 +444,13 @@ def test_run_minutes_leaves_training_what_the_evaluations_and_the_margin_do_not_
     import time
 
     from dflash_jax.config_io import ConfigError
-    from dflash_jax.training.loop import training_minutes_in_budget
-    from dflash_jax.training.run import RESUMED_CURVE_EVAL_S, RESUMED_FINAL_EVAL_S, _within_run_budget
     from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.schedule import (
+        RESUMED_CURVE_EVAL_S,
+        RESUMED_FINAL_EVAL_S,
+        training_minutes_in_budget,
+        within_run_budget,
+    )
 
     # 27 min, 7 spent, a 60 s final evaluation, 30 s margin, curve points of 8 s every 4 minutes.
     got = training_minutes_in_budget(27, 420, 60, curve_eval_s=8, curve_every_minutes=4)
@@ -465,7 +463,7 @@ def test_run_minutes_leaves_training_what_the_evaluations_and_the_margin_do_not_
             ["eval.num_prompts=32", "eval.max_new_tokens=128", "eval.curve_every_minutes=4", *overrides],
         )
         t_start = time.perf_counter() - 420  # 7 minutes ago
-        return _within_run_budget(cfg, t_start, eval_s, curve_s, start_step, 32).time_limit_minutes
+        return within_run_budget(cfg, t_start, eval_s, curve_s, start_step, 32).time_limit_minutes
 
     want = training_minutes_in_budget(27, 420, 60, curve_eval_s=7.5, curve_every_minutes=4)
     assert budget("train.run_minutes=27") == pytest.approx(want, abs=0.01)

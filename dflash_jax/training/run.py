@@ -6,14 +6,17 @@ any model loads; the pre-flight memory plan (passed in by the entry point: the p
 its optimizer is made; the held-out measurements bracket the loop. Each step of the wiring is
 owned elsewhere in ``dflash_jax.training``: ``assembly`` (target, tokenizer, data, drafter config,
 warm start, the checks, the drafter's initialisation), ``regen_cache`` (the target's own replies),
-``feature_cache`` (offline features), ``draft_vocab``, ``step`` (the jitted step), ``loop`` (steps,
-stop flags, checkpoints), ``evaluation`` (held-out metrics and tau), ``run_dir`` and ``metrics``.
+``feature_cache`` (offline features), ``draft_vocab``, ``step`` (the jitted step), ``trainer`` (the
+loop: step, state, clock), ``hooks`` (signals, metrics, checkpoints, the tau curve, stops),
+``schedule`` (learning rate, time budget), ``evaluation`` (held-out metrics and tau), ``run_dir``
+and ``metrics``. The loop's wiring (:func:`_trainer`) lists the hooks in the order they act.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -58,12 +61,13 @@ def run(
     shapes the model or the data) and made sure writable.
     """
     from dflash_jax.data.pipeline import to_global_batch
-    from dflash_jax.data.shards import merge_states
     from dflash_jax.training import evaluation, feature_cache
     from dflash_jax.training.assembly import assemble, load_parts, make_drafter
-    from dflash_jax.training.loop import train_loop
+    from dflash_jax.training.hooks import Checkpoints
     from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
+    from dflash_jax.training.schedule import ScheduleFile, within_run_budget
     from dflash_jax.training.step import make_eval_step, make_optimizer, make_train_step
+    from dflash_jax.training.trainer import TrainState
 
     t_start = time.perf_counter()
     # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
@@ -96,84 +100,50 @@ def run(
         cfg, run_dir, drafter, optimizer, mesh, resume, resume_step
     )
     data_iter = _open_training_data(cfg, parts, features_dir, data_state)
-    schedule = _ScheduleFile(run_dir / "lr_schedule.json", resume)
-    batch_sharding = logical_sharding(mesh, BATCH_AXES)
-
-    def put(batch):  # this process's rows -> global arrays, rows over the data axes
-        return to_global_batch(batch, batch_sharding)
-
-    def save(step, force, data_state):
-        # collective: every process's shard positions go into the checkpoint
-        data_state = merge_states(distributed.allgather_json(data_state))
-        ckpt.save(step, drafter, optimizer, data_state, resolved, force=force)
-
+    put = functools.partial(to_global_batch, sharding=logical_sharding(mesh, BATCH_AXES))
     logger = MetricLogger(run_dir, resume_step=start_step if resume else None) if primary else NullLogger()
     result = {"run_dir": str(run_dir), "start_step": start_step}
+    heldout_batches = [put(b) for b in evaluation.heldout_batches(tokenizer, parts.heldout)]
     heldout = evaluation.HeldoutReports(
-        cfg,
-        parts,
-        drafter,
-        eval_step,
-        [put(b) for b in evaluation.heldout_batches(tokenizer, parts.heldout)],
-        logger=logger,
-        result=result,
-        run_dir=run_dir,
+        cfg, parts, drafter, eval_step, heldout_batches, logger=logger, result=result, run_dir=run_dir
     )
     with jax.set_mesh(mesh):
-        t_eval = time.perf_counter()
-        if start_step == 0 and cfg.eval.before_training:
-            heldout.tau("before", 0)
-        if start_step == 0:
-            heldout.streak(0, "before")
-        eval_s = time.perf_counter() - t_eval
+        eval_s = _evaluate_before_training(cfg, heldout, start_step)
         final_eval_s, curve_eval_s = heldout.final_eval_estimate_s(eval_s), heldout.curve_estimate_s(eval_s)
+        train = within_run_budget(
+            cfg, t_start, final_eval_s, curve_eval_s, start_step, len(parts.eval_prompts)
+        )
+        trainer, summary = _trainer(
+            cfg,
+            train,
+            parts,
+            train_step=train_step,
+            put=put,
+            checkpoints=Checkpoints(ckpt, resolved),
+            logger=logger,
+            heldout=heldout,
+            schedule_file=ScheduleFile(run_dir / "lr_schedule.json", resume),
+            stop_at_step=stop_at_step,
+            quiet=quiet or not primary,
+        )
         try:
-            done = train_loop(
-                _within_run_budget(
-                    cfg, t_start, final_eval_s, curve_eval_s, start_step, len(parts.eval_prompts)
-                ),
-                train_step=train_step,
-                drafter=drafter,
-                optimizer=optimizer,
-                target=target,
-                data_iter=data_iter,
-                put=put,
-                save=save,
-                logger=logger,
-                start_step=start_step,
-                resumed=resume,
-                stop_at_step=stop_at_step,
-                quiet=quiet or not primary,
-                max_wait_s=parts.data.max_wait_s,
-                check_saves=ckpt.check,
-                decay_steps=schedule.decay_steps,
-                on_decay_steps=schedule.write,
-                on_eval=heldout.tau_curve
-                if parts.eval_prompts and primary and jax.process_count() == 1
-                else None,
-                eval_every_s=None
-                if cfg.eval.curve_every_minutes is None
-                else 60 * cfg.eval.curve_every_minutes,
-            )
+            done = trainer.train(TrainState(drafter, optimizer, start_step, resumed=resume), data_iter)
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-                ckpt.close()
-            with contextlib.suppress(Exception):
                 logger.close()
-            data_iter.close()
             raise
-        ckpt.close()
-        data_iter.close()
-        result.update(_summary(done))
+        finally:
+            data_iter.close()
+        result.update(summary(done))
         heldout.streak(done.step, "after")
         heldout.tau("after", done.step)
     logger.close()
     if primary:
         result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
-    result["checkpoint_dir"] = str(ckpt.directory)
-    result["total_seconds"] = time.perf_counter() - t_start
-    result["drafter"] = drafter
-    result["target"] = target
+    total_seconds = time.perf_counter() - t_start
+    result.update(
+        checkpoint_dir=str(ckpt.directory), total_seconds=total_seconds, drafter=drafter, target=target
+    )
     return result
 
 
@@ -234,69 +204,75 @@ def _open_checkpoints(cfg: RunConfig, run_dir: Path, drafter, optimizer, mesh, r
     return ckpt, int(meta["step"]), meta.get("data_state")
 
 
-# What a resumed run sets aside for its final evaluation (the one before training that timed it ran
-# in the first invocation) and for each curve point
-RESUMED_FINAL_EVAL_S = 120.0
-RESUMED_CURVE_EVAL_S = RESUMED_FINAL_EVAL_S / 8
+def _evaluate_before_training(cfg: RunConfig, heldout, start_step: int) -> float:
+    """Held-out tau and streak of a fresh run's initial drafter; -> the seconds they took (what
+    the time budget sets aside for the measurements after training is estimated from them)."""
+    t0 = time.perf_counter()
+    if start_step == 0 and cfg.eval.before_training:
+        heldout.tau("before", 0)
+    if start_step == 0:
+        heldout.streak(0, "before")
+    return time.perf_counter() - t0
 
 
-def _within_run_budget(
+def _trainer(
     cfg: RunConfig,
-    t_start: float,
-    final_eval_s: float,
-    curve_eval_s: float,
-    start_step: int,
-    num_prompts: int,
+    train,
+    parts,
+    *,
+    train_step,
+    put,
+    checkpoints,
+    logger,
+    heldout,
+    schedule_file,
+    stop_at_step,
+    quiet,
 ):
-    """``cfg.train`` with ``train.run_minutes`` turned into a training time limit: what is left after
-    the final evaluation (``final_eval_s``, estimated from the one before training) and the curve
-    points (``curve_eval_s`` each)."""
-    from dflash_jax.training.loop import training_minutes_in_budget
+    """The Trainer of this run with its hooks (``train``: ``cfg.train`` within the run's time
+    budget); -> (trainer, ``summary(loop_result)``: what the loop reports in the run's result)."""
+    from dflash_jax.training import hooks
+    from dflash_jax.training.schedule import LearningRateSchedule
+    from dflash_jax.training.trainer import Trainer
 
-    train, ev = cfg.train, cfg.eval
-    if train.run_minutes is None:
-        return train
-    elapsed = time.perf_counter() - t_start
-    if start_step:
-        final_eval_s = RESUMED_FINAL_EVAL_S if num_prompts else 0.0
-        curve_eval_s = RESUMED_CURVE_EVAL_S if num_prompts else 0.0
-        log.warning(
-            "train.run_minutes on a resume: counted from this invocation's start, %.0f s set aside for "
-            "the final evaluation",
-            final_eval_s,
-        )
-    if not (num_prompts and ev.curve_every_minutes):
-        curve_eval_s = 0.0
-    minutes = training_minutes_in_budget(
-        train.run_minutes, elapsed, final_eval_s, curve_eval_s, ev.curve_every_minutes
+    schedule = LearningRateSchedule(
+        train, decay_steps=schedule_file.decay_steps, on_decay_steps=schedule_file.write
     )
-    if minutes <= 0:
-        raise ConfigError(
-            f"train.run_minutes={train.run_minutes:g}: {elapsed / 60:.1f} minutes spent before training and "
-            f"{final_eval_s / 60:.1f} set aside for the final evaluation leave no time to train; raise "
-            "train.run_minutes (a second run reuses the prepared target, data and features)"
-        )
-    if train.time_limit_minutes is not None:
-        minutes = min(minutes, train.time_limit_minutes)
-    log.info(
-        "train.run_minutes=%g: %.1f min spent, %.1f min of training (the final evaluation ~%.0f s, "
-        "curve points ~%.0f s each)",
-        train.run_minutes,
-        elapsed / 60,
-        minutes,
-        final_eval_s,
-        curve_eval_s,
+    trainer = Trainer(
+        train,
+        train_step,
+        target=parts.target,
+        put=put,
+        learning_rate=schedule.rate,
+        max_wait_s=parts.data.max_wait_s,
     )
-    return dataclasses.replace(train, time_limit_minutes=minutes)
+    signals, metrics = hooks.StopOnSignal(), hooks.TrainMetrics(train, logger, quiet=quiet)
+    trainer.add_hook(signals)
+    trainer.add_hook(schedule)
+    trainer.add_hook(metrics)
+    trainer.add_hook(hooks.StopOnDivergence(train, checkpoints))
+    trainer.add_hook(checkpoints, every=train.checkpoint_every)
+    trainer.add_hook(checkpoints.raise_failed_save)
+    # the curve decodes on one process (a multi-process run measures tau with dflash_jax.eval)
+    if (
+        parts.eval_prompts
+        and distributed.is_primary()
+        and jax.process_count() == 1
+        and cfg.eval.curve_every_minutes
+    ):
+        trainer.add_hook(hooks.TauCurve(heldout.tau_curve, cfg.eval.curve_every_minutes))
+    trainer.add_hook(hooks.StopAt(step=stop_at_step, minutes=train.time_limit_minutes))
 
+    def summary(done) -> dict:
+        out = dict(step=done.step, interrupted=signals.signum is not None, train_seconds=done.train_seconds)
+        out.update(
+            signal=signals.signum, skipped_steps=done.skipped_steps, lr_decay_steps=schedule.decay_steps
+        )
+        if metrics.last:
+            out.update(loss=float(metrics.last["loss"]), streak=float(metrics.last["streak"]))
+        return out
 
-def _summary(done) -> dict:
-    """What the loop's end reports in the run's result."""
-    out = dict(step=done.step, interrupted=done.interrupted, train_seconds=done.train_seconds)
-    out.update(signal=done.signum, skipped_steps=done.skipped_steps, lr_decay_steps=done.decay_steps)
-    if done.last:
-        out.update(loss=float(done.last["loss"]), streak=float(done.last["streak"]))
-    return out
+    return trainer, summary
 
 
 def _open_training_data(cfg: RunConfig, parts, features_dir, data_state):
@@ -327,18 +303,3 @@ def _open_training_data(cfg: RunConfig, parts, features_dir, data_state):
     if data_state is not None:
         data_iter.set_state(data_state)
     return data_iter
-
-
-class _ScheduleFile:
-    """The learning-rate schedule's length, once estimated from the time budget, stays fixed
-    across resumes (see training/loop.py): kept in the run dir, forgotten by a fresh run."""
-
-    def __init__(self, path: Path, resume: bool):
-        self.path, self.decay_steps = path, None
-        if resume and path.is_file():
-            self.decay_steps = int(json.loads(path.read_text())["decay_steps"])
-        elif not resume:
-            path.unlink(missing_ok=True)
-
-    def write(self, decay_steps: int) -> None:
-        self.path.write_text(json.dumps({"decay_steps": decay_steps}))

@@ -56,7 +56,7 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
 def make_optimizer(train_cfg: TrainSection) -> optax.GradientTransformation:
     """AdamW as ``optax.adamw`` builds it (Adam, decoupled weight decay, times -rate) after global
     norm clipping; the rate is an argument of each step, so the loop can fix the schedule's length
-    once it knows how many steps fit in the time budget (``loop.learning_rate``)."""
+    once it knows how many steps fit in the time budget (``schedule.learning_rate``)."""
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.scale_by_adam(b1=train_cfg.b1, b2=train_cfg.b2),
