@@ -38,7 +38,7 @@ log = logging.getLogger("dflash_jax.train")
 def run(
     cfg: RunConfig,
     *,
-    resume: bool = False,
+    resume: bool | str = False,
     resume_step: int | None = None,
     overwrite: bool = False,
     init_from: str | None = None,
@@ -53,13 +53,15 @@ def run(
     parts the run resolved (the entry point passes ``dflash_jax.tools.plan.check_run_fits``: the
     training package imports no tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
     what the devices report).
-    ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
+    ``resume="auto"`` resumes when ``output_dir`` holds a checkpoint and starts afresh otherwise
+    (``run_dir.resume_auto``). ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
     early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues
     the same schedule. Before any model is built the data sources are found, the output dir is
     checked (one run per dir: ``overwrite`` replaces an old run, ``resume`` must not change what
     shapes the model or the data) and made sure writable.
     """
+    from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.assembly import assemble, load_parts
     from dflash_jax.training.metrics import plot_metrics
 
@@ -67,7 +69,10 @@ def run(
     # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
     parts = assemble(cfg, init_from=init_from)
     primary = distributed.is_primary()  # the one process that logs and writes outputs
-    resume = resume or resume_step is not None
+    if resume == "auto":
+        resume, overwrite = run_dirs.resume_auto(cfg.output_dir, overwrite=overwrite)
+        log.info("--resume auto: %s", "resuming" if resume else "no checkpoint yet, starting afresh")
+    resume = bool(resume) or resume_step is not None
     run_dir = _prepare_run_dir(cfg, primary, resume=resume, resume_step=resume_step, overwrite=overwrite)
     mesh = make_mesh(cfg.mesh)
     if jax.process_count() > 1:
