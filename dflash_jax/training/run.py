@@ -63,11 +63,12 @@ def run(
     """
     from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.assembly import assemble, load_parts
-    from dflash_jax.training.metrics import plot_metrics
+    from dflash_jax.training.metrics import check_trackers_installed, plot_metrics
 
     t_start = time.perf_counter()
     # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
     parts = assemble(cfg, init_from=init_from)
+    check_trackers_installed(cfg.train.report_to)
     primary = distributed.is_primary()  # the one process that logs and writes outputs
     if resume == "auto":
         resume, overwrite = run_dirs.resume_auto(cfg.output_dir, overwrite=overwrite)
@@ -160,9 +161,14 @@ def _train_between_measurements(
 
     put = functools.partial(to_global_batch, sharding=logical_sharding(mesh, BATCH_AXES))
     resume_step = state.step if state.resumed else None
-    logger = (
-        MetricLogger(state.run_dir, resume_step=resume_step) if distributed.is_primary() else NullLogger()
-    )
+    logger = NullLogger()
+    if distributed.is_primary():
+        logger = MetricLogger(
+            state.run_dir,
+            report_to=cfg.train.report_to,
+            resume_step=resume_step,
+            run_config=state.resolved_config,
+        )
     data_iter = _open_training_data(cfg, parts, state.features_dir, state.data_state)
     try:
         heldout_batches = [put(b) for b in evaluation.heldout_batches(parts.tokenizer, parts.heldout)]

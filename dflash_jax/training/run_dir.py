@@ -31,6 +31,9 @@ RUN_FILES = (
     "orbax.log",
     "metrics.png",
     "tensorboard",
+    "tracking.json",
+    "mlruns",
+    "wandb",
     "config.json",
     "eval_*.json",
 )
@@ -55,6 +58,7 @@ SAFE_ON_RESUME = (
     "train.run_minutes",
     "train.max_nonfinite_steps",
     "train.max_update_ratio",
+    "train.report_to",
     "eval.*",
     "mesh.*",
     "drafter.attention_impl",
