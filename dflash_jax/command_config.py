@@ -106,3 +106,31 @@ def reject_old_flags(argv: list[str], renamed: dict[str, str], prog: str) -> Non
                 f"{flag} is gone: {prog} takes --config NAME|YAML|RUN_DIR and key=value overrides; "
                 f"write {renamed[flag]}"
             )
+
+
+def parse_command(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    renamed: dict[str, str],
+    section: str,
+    options_cls,
+    add_flags,
+    example: str,
+):
+    """The one command-line style of eval and regenerate: ``--config NAME|YAML|RUN_DIR``, the
+    command's own flags (``add_flags(parser)``: what is not configuration) and ``key=value``
+    overrides in any order; an old flag fails naming its new spelling. -> (argparse namespace,
+    :class:`CommandConfig` with ``section``'s options as ``options_cls``)."""
+    import argparse
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    reject_old_flags(argv, renamed, prog)
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", default="demo", help="a shipped config name, a YAML path or a run directory")
+    add_flags(p)
+    p.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
+    return args, load_command_config(args.config, args.overrides, section, options_cls)

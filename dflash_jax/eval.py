@@ -25,7 +25,6 @@ in distribution, not token-for-token; no baseline comparison is made then).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -112,17 +111,22 @@ RENAMED_FLAGS = {
 
 def parse_args(argv: list[str] | None = None):
     """-> (argparse namespace, :class:`~dflash_jax.command_config.CommandConfig`)."""
-    from dflash_jax.command_config import load_command_config, reject_old_flags
+    from dflash_jax.command_config import parse_command
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    reject_old_flags(argv, RENAMED_FLAGS, PROG)
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="demo", help="a shipped config name, a YAML path or a run directory")
-    p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.num_prompts=8")
-    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
-    return args, load_command_config(args.config, args.overrides, "eval", EvalOptions)
+    def add_flags(p):
+        p.add_argument("--json", default=None, help="write the full report (summary + per-prompt) here")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+
+    return parse_command(
+        argv,
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        renamed=RENAMED_FLAGS,
+        section="eval",
+        options_cls=EvalOptions,
+        add_flags=add_flags,
+        example="eval.num_prompts=8",
+    )
 
 
 def _stop_ids(opts: EvalOptions, target_config, tokenizer) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ same section (:class:`RegenerateOptions`). For example::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from dataclasses import dataclass
@@ -64,19 +63,24 @@ RENAMED_FLAGS = {
 
 def parse_args(argv: list[str] | None = None):
     """-> (argparse namespace, :class:`~dflash_jax.command_config.CommandConfig`)."""
-    from dflash_jax.command_config import load_command_config, reject_old_flags
+    from dflash_jax.command_config import parse_command
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    reject_old_flags(argv, RENAMED_FLAGS, PROG)
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="demo", help="a shipped config name, a YAML path or a run directory")
-    p.add_argument(
-        "--out", required=True, help="output chat JSONL (an existing file is kept unless --overwrite)"
+    def add_flags(p):
+        p.add_argument(
+            "--out", required=True, help="output chat JSONL (an existing file is kept unless --overwrite)"
+        )
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+
+    return parse_command(
+        argv,
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        renamed=RENAMED_FLAGS,
+        section="regen",
+        options_cls=RegenerateOptions,
+        add_flags=add_flags,
+        example="regen.num_prompts=800",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. regen.num_prompts=800")
-    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
-    return args, load_command_config(args.config, args.overrides, "regen", RegenerateOptions)
 
 
 @cli

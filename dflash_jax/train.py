@@ -36,7 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         default="demo",
         help=f"a YAML path or a shipped config: {', '.join(shipped_configs())} (default: demo)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        choices=("latest", "auto"),
+        help="continue from the latest checkpoint in output_dir; --resume auto: resume when output_dir "
+        "holds a checkpoint, else start afresh (for a scheduler that requeues the same command)",
+    )
     p.add_argument(
         "--resume-step",
         type=int,
@@ -66,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     distributed.add_arguments(p)
-    args = p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
+    args = p.parse_intermixed_args(
+        _resume_value_attached(sys.argv[1:] if argv is None else argv)
+    )  # key=value overrides may come before or after flags
     distributed.initialize_from(args)  # before any jax computation
     distributed.configure_logging()
     cfg = load_run_config(args.config, args.overrides)
@@ -85,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(
             cfg,
-            resume=args.resume or args.resume_step is not None,
+            resume="auto"
+            if args.resume == "auto"
+            else args.resume is not None or args.resume_step is not None,
             resume_step=args.resume_step,
             overwrite=args.overwrite,
             init_from=args.init_from,
@@ -104,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("signal"):
         return 128 + int(result["signal"])  # a scheduler can tell interrupted from finished
     return 0
+
+
+def _resume_value_attached(argv: list[str]) -> list[str]:
+    """``--resume auto`` as ``--resume=auto`` and a bare ``--resume`` as ``--resume=latest``, so a
+    key=value override after the flag is never taken for its value."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume":
+            value = argv[i + 1] if i + 1 < len(argv) else None
+            skip = value in ("auto", "latest")
+            arg = f"--resume={value if skip else 'latest'}"
+        out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Write the WORKDIR of ``../shared/reference/ref_train.py`` from one of our runs' data, so that the
-PyTorch reference and our trainer train on the same token sequences and are measured on the same
-held-out prompts (BENCHMARKS.md, "Side by side with ref_train.py").
+"""Write the WORKDIR of a PyTorch reference trainer (``ref_train.py``, z-lab's DFlashDraftModel)
+from one of our runs' data, so that the PyTorch reference and our trainer train on the same token
+sequences and are measured on the same held-out prompts (BENCHMARKS.md, "Side by side with the PyTorch references").
 
   python scripts/reference_workdir.py --out WORKDIR --train-jsonl REGEN/train.jsonl \
       [--config demo] [OVERRIDES ...]

@@ -65,11 +65,15 @@ def test_an_architecture_that_disagrees_with_config_json_is_named(tmp_path):
 
     arch = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps({**arch, "num_hidden_layers": 3}))
+    (tmp_path / "config.json").write_text(json.dumps({**arch, "num_hidden_layers": 6, "rope_theta": 5e5}))
     inline = "{" + ", ".join(f"{k}: {v}" for k, v in arch.items()) + "}"
     cfg = load_run_config("qwen3-8b", [f"target.path={tmp_path}", f"target.architecture={inline}"])
-    with pytest.raises(ConfigError, match=r"num_layers \(2 against 3\)"):
+    with pytest.raises(ConfigError) as refused:
         assemble(cfg, abstract=True)
+    message = str(refused.value)
+    assert "num_layers (2 against 6)" in message
+    assert "rope.theta (" in message and "rope_type" not in message  # a nested config by what differs
+    assert "against 6 entries)" in message  # a long sequence by its length
 
 
 def test_a_warm_start_fixes_the_drafter_in_both_descriptions(tmp_path):

@@ -210,7 +210,7 @@ def _while_bodies(hlo_text: str) -> dict[str, list[str]]:
 def test_decoding_step_writes_only_the_new_tokens_of_the_cache(tmp_path):
     """Each decoding step scatters its new K/V into the cache and touches nothing else of that size:
     the layer scan once returned every layer's whole buffer (and was fed [L, 1, ...] reshapes), so
-    XLA copied the entire cache and all weights on every step (BENCHMARKS "Regeneration")."""
+    XLA copied the entire cache and all weights on every step (BENCHMARKS.md "Decoding and regeneration")."""
     hf = make_hf_model("qwen3", seed=21)
     hf.save_pretrained(tmp_path)
     target = dflash_jax.load_target(tmp_path)

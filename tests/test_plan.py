@@ -172,7 +172,9 @@ def test_train_run_refuses_before_loading_the_target(tmp_path, capsys):
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}  # fmt: skip
     (target / "config.json").write_text(json.dumps(arch))
     overrides = [o for o in TINY_OVERRIDES if not o.startswith("target.architecture")]
-    rc = train_main(["--config", "qwen3-8b", "--device-memory", "1MB", *overrides, f"target.path={target}",
+    # qwen3-8b.yaml's own architecture would disagree with this config.json (a ConfigError, exit 2)
+    rc = train_main(["--config", "qwen3-8b", "--device-memory", "1MB", *overrides, "target.architecture=null",
+                     f"target.path={target}",
                      f"target.tokenizer={target}", f"output_dir={tmp_path / 'run'}", "data.sources=[sharegpt]",
                      "data.max_length=64", "data.batch_size=4", "train.max_anchors=4"])  # fmt: skip
     assert rc == 3

@@ -337,6 +337,34 @@ def test_fresh_run_into_a_used_dir_is_refused_unless_overwrite(tmp_path, capsys)
     assert sorted(p.name for p in used.iterdir()) == ["notes.txt"]  # the old run is gone, not mixed
 
 
+def test_resume_auto_starts_a_fresh_dir_then_resumes_it(tmp_path, capsys):
+    """``--resume auto`` twice, as a scheduler requeues one command: the first run starts (replacing
+    what an attempt that never checkpointed left), the second continues from its checkpoint."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 999.0}\n')
+    rc, errors = _main(
+        [*_tiny_args(run_dir, "train.steps=2", "train.checkpoint_every=2"), "--resume", "auto"], capsys
+    )
+    assert rc == 0, errors
+    assert [r["step"] for r in _train_rows(run_dir)] == [1, 2] and _train_rows(run_dir)[0]["loss"] != 999.0
+    rc, errors = _main(
+        _tiny_args(run_dir, "--resume=auto", "train.steps=4", "train.checkpoint_every=2"), capsys
+    )
+    assert rc == 0, errors
+    assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3, 4]  # steps 1-2 not trained again
+    rc, errors = _main(_tiny_args(run_dir, "--resume=auto", "--overwrite"), capsys)
+    assert rc == 2 and "contradict" in errors[0]
+
+
+def test_resume_flag_never_swallows_the_override_after_it():
+    from dflash_jax.train import _resume_value_attached
+
+    assert _resume_value_attached(["--resume", "train.steps=5"]) == ["--resume=latest", "train.steps=5"]
+    assert _resume_value_attached(["--resume", "auto", "x=1"]) == ["--resume=auto", "x=1"]
+    assert _resume_value_attached(["a=1", "--resume"]) == ["a=1", "--resume=latest"]
+
+
 def test_tiny_target_cache_is_keyed_by_its_shape(tmp_path):
     """A cached tiny target of another size is never reused (it was: hidden 64 in a hidden-32 run)."""
     from convert.tiny_target import make_tiny_target_dir

@@ -303,7 +303,7 @@ class TargetModel(nnx.Module):
         n_dense = P - n_moe
         # With one layer per period the stacked [L, ...] leaves are scanned as they are: reshaping
         # them to [L, 1, ...] made XLA copy every weight and the whole KV cache on each call, i.e.
-        # on every decoding step (BENCHMARKS "Regeneration").
+        # on every decoding step (BENCHMARKS.md "Decoding and regeneration").
         if P == 1:
             split, member = (lambda tree, n: tree), (lambda a, j: a)
         else:

@@ -198,12 +198,26 @@ def load_parts(cfg: RunConfig, parts: RunParts, *, mesh=None) -> RunParts:
     )
 
 
-def _differing_fields(a, b) -> list[str]:
-    return [
-        f"{f.name} ({getattr(a, f.name)!r} against {getattr(b, f.name)!r})"
-        for f in dataclasses.fields(a)
-        if getattr(a, f.name) != getattr(b, f.name)
-    ]
+def _differing_fields(a, b, prefix: str = "") -> list[str]:
+    """``name (a's value against b's)`` for each field that differs; a nested config by the fields
+    of it that differ, a long sequence by its length, so the message stays one readable line."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x == y:
+            continue
+        name = prefix + f.name
+        if dataclasses.is_dataclass(x) and type(x) is type(y):
+            out += _differing_fields(x, y, prefix=f"{name}.")
+        else:
+            out.append(f"{name} ({_brief(x)} against {_brief(y)})")
+    return out
+
+
+def _brief(value) -> str:
+    if isinstance(value, (tuple, list)) and len(value) > 4:
+        return f"{len(value)} entries"
+    return repr(value)
 
 
 # --------------------------------------------------------------------------- the target

@@ -129,7 +129,7 @@ def _tau_report(s: dict, per_prompt_tau: list, method: str) -> dict:
 
 # The final evaluation decodes; before training only replays. Its time is set aside as this many
 # times the seconds the target took for its greedy answers to the same prompts (the plain decode
-# that made them). BENCHMARKS.md "Tau by replay": 42 s of answers, then 72 s and 100 s of decoding
+# that made them). docs/experiments.md, "Performance work": 42 s of answers, then 72 s and 100 s of decoding
 # with trained drafters (tau 1.39 and 1.41) on the same box an hour apart; an untrained drafter
 # takes ~40 % more verify steps. What this leaves uncovered, the run's 30 s margin takes.
 FINAL_DECODE_OVER_ANSWERS = 2.0

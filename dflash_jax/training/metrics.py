@@ -1,20 +1,38 @@
-"""Training metrics: a JSONL log, TensorBoard event files and a final PNG of loss and streak."""
+"""Training metrics: a JSONL log (always), the trackers of ``train.report_to`` (TensorBoard event
+files by default; Weights & Biases and MLflow where installed, the run's config logged as their
+hyperparameters) and a final PNG of loss and streak."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
+import secrets
 from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.config_io import ConfigError
+from dflash_jax.nested import flatten
+
+TRACKING_FILE = "tracking.json"  # the W&B / MLflow run ids, so a resume continues the same runs
+
 
 class MetricLogger:
-    """Appends to ``metrics.jsonl``; ``resume_step`` first drops rows logged after that step (a
-    killed run logs steps its last checkpoint does not hold: the resumed run logs them again)."""
+    """Appends to ``metrics.jsonl`` and reports to ``report_to``'s trackers; ``resume_step`` first
+    drops rows logged after that step (a killed run logs steps its last checkpoint does not hold:
+    the resumed run logs them again). ``run_config`` (the resolved config) is the trackers'
+    hyperparameters."""
 
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        report_to: tuple[str, ...] = ("tensorboard",),
+        resume_step: int | None = None,
+        run_config: dict | None = None,
+    ):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.directory / "metrics.jsonl"
@@ -25,11 +43,17 @@ class MetricLogger:
             tmp.replace(self.jsonl_path)
         self._jsonl = open(self.jsonl_path, "a")
         self._tb = None
-        if tensorboard:
+        if "tensorboard" in report_to:
             from tensorboardX import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1  # TensorBoard's own truncation
             self._tb = SummaryWriter(str(self.directory / "tensorboard"), purge_step=purge)
+        params = _hyperparameters(run_config or {})
+        self._trackers = [
+            {"wandb": _WandbTracker, "mlflow": _MlflowTracker}[name](self.directory, params)
+            for name in report_to
+            if name != "tensorboard"
+        ]
 
     def log(self, step: int, metrics: dict, prefix: str = "train"):
         flat = {}
@@ -46,6 +70,9 @@ class MetricLogger:
             self._jsonl.flush()
         except OSError as e:  # a full disk: name the file (the bare errno named nothing)
             raise OSError(e.errno, f"cannot write {self.jsonl_path} ({e.strerror or e})") from None
+        finite = {f"{prefix}/{k}": v for k, v in flat.items() if math.isfinite(v)}
+        for tracker in self._trackers:
+            tracker.log(step, finite)
         if self._tb is not None:
             try:
                 for k, v in flat.items():
@@ -75,6 +102,9 @@ class MetricLogger:
     def close(self):
         with contextlib.suppress(OSError):  # the file's own close; a write error was already raised
             self._jsonl.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
         if self._tb is not None:
             try:
                 self._tb.close()
@@ -83,6 +113,110 @@ class MetricLogger:
                 raise OSError(
                     e.errno, f"cannot write {self.directory / 'tensorboard'} ({e.strerror or e})"
                 ) from None
+
+
+def _hyperparameters(run_config: dict) -> dict:
+    """The resolved config as flat ``section.key`` parameters (sequences as their text)."""
+    return {
+        k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+        for k, v in flatten(run_config).items()
+    }
+
+
+def _import_tracker(module: str, package: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            f"train.report_to lists {package.split('-')[0]}, but {module} is not installed: "
+            f"pip install {package} (or drop it from train.report_to)"
+        ) from None
+
+
+def check_trackers_installed(report_to: tuple[str, ...]) -> None:
+    """Before anything loads: every tracker ``train.report_to`` lists can be imported."""
+    for name in report_to:
+        if name == "wandb":
+            _import_tracker("wandb", "wandb")
+        elif name == "mlflow":
+            _import_tracker("mlflow", "mlflow-skinny")
+
+
+def _tracking_ids(directory: Path) -> dict:
+    path = directory / TRACKING_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _store_tracking_id(directory: Path, name: str, run_id: str) -> None:
+    ids = {**_tracking_ids(directory), name: run_id}
+    (directory / TRACKING_FILE).write_text(json.dumps(ids, indent=2))
+
+
+class _WandbTracker:
+    """A Weights & Biases run (``WANDB_PROJECT``, default ``dflash-jax``; ``WANDB_MODE=offline``
+    without a login), resumed by the id stored in the run directory."""
+
+    def __init__(self, directory: Path, params: dict):
+        wandb = _import_tracker("wandb", "wandb")
+        run_id = _tracking_ids(directory).get("wandb") or secrets.token_hex(8)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "dflash-jax"),
+            name=directory.name,
+            id=run_id,
+            resume="allow",
+            dir=str(directory),
+            config=params,
+        )
+        _store_tracking_id(directory, "wandb", run_id)
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MlflowTracker:
+    """An MLflow run (``MLFLOW_TRACKING_URI``, default ``<run dir>/mlruns``; experiment
+    ``MLFLOW_EXPERIMENT_NAME``, default ``dflash-jax``), resumed by the id stored in the run
+    directory."""
+
+    def __init__(self, directory: Path, params: dict):
+        mlflow = _import_tracker("mlflow", "mlflow-skinny")
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # a file store in the run dir: MLflow wants an opt-in for it, given here
+            uri = (directory / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        run_id = _tracking_ids(directory).get("mlflow")
+        if run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash-jax")
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name)
+            run_id = self.client.create_run(experiment, run_name=directory.name).info.run_id
+            entities = mlflow.entities
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                batch = list(params.items())[i : i + 100]
+                self.client.log_batch(run_id, params=[entities.Param(k, str(v)[:6000]) for k, v in batch])
+            _store_tracking_id(directory, "mlflow", run_id)
+        self.run_id = run_id
+
+    def log(self, step: int, scalars: dict) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -125,7 +259,7 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
 
 
 class NullLogger:
-    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
+    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and the trackers)."""
 
     def log(self, step, metrics, prefix="train"):
         pass

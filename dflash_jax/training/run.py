@@ -38,7 +38,7 @@ log = logging.getLogger("dflash_jax.train")
 def run(
     cfg: RunConfig,
     *,
-    resume: bool = False,
+    resume: bool | str = False,
     resume_step: int | None = None,
     overwrite: bool = False,
     init_from: str | None = None,
@@ -53,27 +53,27 @@ def run(
     parts the run resolved (the entry point passes ``dflash_jax.tools.plan.check_run_fits``: the
     training package imports no tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
     what the devices report).
-    ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
+    ``resume="auto"`` resumes when ``output_dir`` holds a checkpoint and starts afresh otherwise
+    (``run_dir.resume_auto``). ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
     early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues
     the same schedule. Before any model is built the data sources are found, the output dir is
     checked (one run per dir: ``overwrite`` replaces an old run, ``resume`` must not change what
     shapes the model or the data) and made sure writable.
     """
-    from dflash_jax.data.pipeline import to_global_batch
-    from dflash_jax.training import evaluation, feature_cache
-    from dflash_jax.training.assembly import assemble, load_parts, make_drafter
-    from dflash_jax.training.hooks import Checkpoints
-    from dflash_jax.training.metrics import MetricLogger, NullLogger, plot_metrics
-    from dflash_jax.training.schedule import ScheduleFile, within_run_budget
-    from dflash_jax.training.step import make_eval_step, make_optimizer, make_train_step
-    from dflash_jax.training.trainer import TrainState
+    from dflash_jax.training import run_dir as run_dirs
+    from dflash_jax.training.assembly import assemble, load_parts
+    from dflash_jax.training.metrics import check_trackers_installed, plot_metrics
 
     t_start = time.perf_counter()
     # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
     parts = assemble(cfg, init_from=init_from)
+    check_trackers_installed(cfg.train.report_to)
     primary = distributed.is_primary()  # the one process that logs and writes outputs
-    resume = resume or resume_step is not None
+    if resume == "auto":
+        resume, overwrite = run_dirs.resume_auto(cfg.output_dir, overwrite=overwrite)
+        log.info("--resume auto: %s", "resuming" if resume else "no checkpoint yet, starting afresh")
+    resume = bool(resume) or resume_step is not None
     run_dir = _prepare_run_dir(cfg, primary, resume=resume, resume_step=resume_step, overwrite=overwrite)
     mesh = make_mesh(cfg.mesh)
     if jax.process_count() > 1:
@@ -81,70 +81,135 @@ def run(
     if preflight is not None:  # before any weight is read
         preflight(cfg, parts, mesh, device_memory, quiet=quiet)
     parts = load_parts(cfg, parts, mesh=mesh)
-    target, tokenizer, dcfg = parts.target, parts.tokenizer, parts.drafter_config
+    state = _place_drafter(cfg, parts, mesh, run_dir, resume=resume, resume_step=resume_step, quiet=quiet)
+    parts = dataclasses.replace(parts, warm_source=None)  # its weights are in the drafter now
+    result = {"run_dir": str(run_dir), "start_step": state.step}
+    with jax.set_mesh(mesh):
+        _train_between_measurements(
+            cfg, parts, state, mesh, t_start, result, stop_at_step=stop_at_step, quiet=quiet or not primary
+        )
+    if primary:
+        result["plot"] = str(plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png"))
+    result.update(
+        checkpoint_dir=str(state.checkpointer.directory),
+        total_seconds=time.perf_counter() - t_start,
+        drafter=state.drafter,
+        target=parts.target,
+    )
+    return result
+
+
+@dataclasses.dataclass
+class _PlacedDrafter:
+    """The drafter and optimizer on the mesh, restored on a resume, and what the loop reads from."""
+
+    drafter: nnx.Module
+    optimizer: nnx.Optimizer
+    step: int  # the step training starts from
+    resumed: bool
+    checkpointer: object
+    resolved_config: dict  # what config.json and every checkpoint record
+    run_dir: Path
+    features_dir: Path | None
+    data_state: dict | None  # the training data iterator's stored state (a resume)
+
+
+def _place_drafter(cfg: RunConfig, parts, mesh, run_dir: Path, *, resume: bool, resume_step, quiet: bool):
+    """Build (or warm-start) the drafter, place it and its optimizer on the mesh, write the resolved
+    config and open the checkpoints; -> :class:`_PlacedDrafter`. The features are cached first:
+    the drafter's initialisation may read them."""
+    from dflash_jax.training import feature_cache
+    from dflash_jax.training.assembly import make_drafter
+    from dflash_jax.training.step import make_optimizer
+
     features_dir = feature_cache.ensure_for_run(cfg, parts, mesh, quiet=quiet)
     drafter = make_drafter(
         cfg, parts, mesh, resume=resume, features_dir=features_dir, run_dir=run_dir, quiet=quiet
     )
-    parts = dataclasses.replace(parts, warm_source=None)  # its weights are in the drafter now
     shard_module(drafter, mesh)
     optimizer = nnx.Optimizer(drafter, make_optimizer(cfg.train), wrt=nnx.Param)
     # Its scalar counters too: left unplaced, step 2 sees new input shardings and recompiles.
     shard_module(optimizer, mesh)
-    train_step, eval_step = make_train_step(cfg.train), make_eval_step(cfg.train)
-
-    resolved = {**cfg.to_dict(), "drafter_config": dcfg.to_dict(), "target_dir": str(parts.target_dir)}
-    if primary:
+    resolved = {
+        **cfg.to_dict(),
+        "drafter_config": parts.drafter_config.to_dict(),
+        "target_dir": str(parts.target_dir),
+    }
+    if distributed.is_primary():
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     ckpt, start_step, data_state = _open_checkpoints(
         cfg, run_dir, drafter, optimizer, mesh, resume, resume_step
     )
-    data_iter = _open_training_data(cfg, parts, features_dir, data_state)
-    put = functools.partial(to_global_batch, sharding=logical_sharding(mesh, BATCH_AXES))
-    logger = MetricLogger(run_dir, resume_step=start_step if resume else None) if primary else NullLogger()
-    result = {"run_dir": str(run_dir), "start_step": start_step}
-    heldout_batches = [put(b) for b in evaluation.heldout_batches(tokenizer, parts.heldout)]
-    heldout = evaluation.HeldoutReports(
-        cfg, parts, drafter, eval_step, heldout_batches, logger=logger, result=result, run_dir=run_dir
+    return _PlacedDrafter(
+        drafter, optimizer, start_step, resume, ckpt, resolved, run_dir, features_dir, data_state
     )
-    with jax.set_mesh(mesh):
-        eval_s = _evaluate_before_training(cfg, heldout, start_step)
-        final_eval_s, curve_eval_s = heldout.final_eval_estimate_s(eval_s), heldout.curve_estimate_s(eval_s)
+
+
+def _train_between_measurements(
+    cfg: RunConfig, parts, state: _PlacedDrafter, mesh, t_start: float, result: dict, *, stop_at_step, quiet
+) -> None:
+    """Held-out measurements before, the loop within the run's time budget, the measurements after;
+    fills ``result``. The metrics log is closed on every exit (the error that stopped the run is the
+    one reported)."""
+    from dflash_jax.data.pipeline import to_global_batch
+    from dflash_jax.training import evaluation
+    from dflash_jax.training.hooks import Checkpoints
+    from dflash_jax.training.metrics import MetricLogger, NullLogger
+    from dflash_jax.training.schedule import ScheduleFile, within_run_budget
+    from dflash_jax.training.step import make_eval_step, make_train_step
+    from dflash_jax.training.trainer import TrainState
+
+    put = functools.partial(to_global_batch, sharding=logical_sharding(mesh, BATCH_AXES))
+    resume_step = state.step if state.resumed else None
+    logger = NullLogger()
+    if distributed.is_primary():
+        logger = MetricLogger(
+            state.run_dir,
+            report_to=cfg.train.report_to,
+            resume_step=resume_step,
+            run_config=state.resolved_config,
+        )
+    data_iter = _open_training_data(cfg, parts, state.features_dir, state.data_state)
+    try:
+        heldout_batches = [put(b) for b in evaluation.heldout_batches(parts.tokenizer, parts.heldout)]
+        heldout = evaluation.HeldoutReports(
+            cfg, parts, state.drafter, make_eval_step(cfg.train), heldout_batches,
+            logger=logger, result=result, run_dir=state.run_dir,
+        )  # fmt: skip
+        eval_s = _evaluate_before_training(cfg, heldout, state.step)
         train = within_run_budget(
-            cfg, t_start, final_eval_s, curve_eval_s, start_step, len(parts.eval_prompts)
+            cfg,
+            t_start,
+            heldout.final_eval_estimate_s(eval_s),
+            heldout.curve_estimate_s(eval_s),
+            state.step,
+            len(parts.eval_prompts),
         )
         trainer, summary = _trainer(
             cfg,
             train,
             parts,
-            train_step=train_step,
+            train_step=make_train_step(cfg.train),
             put=put,
-            checkpoints=Checkpoints(ckpt, resolved),
+            checkpoints=Checkpoints(state.checkpointer, state.resolved_config),
             logger=logger,
             heldout=heldout,
-            schedule_file=ScheduleFile(run_dir / "lr_schedule.json", resume),
+            schedule_file=ScheduleFile(state.run_dir / "lr_schedule.json", state.resumed),
             stop_at_step=stop_at_step,
-            quiet=quiet or not primary,
+            quiet=quiet,
         )
-        try:
-            done = trainer.train(TrainState(drafter, optimizer, start_step, resumed=resume), data_iter)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
-                logger.close()
-            raise
-        finally:
-            data_iter.close()
-        result.update(summary(done))
-        heldout.streak(done.step, "after")
-        heldout.tau("after", done.step)
+        start = TrainState(state.drafter, state.optimizer, state.step, resumed=state.resumed)
+        done = trainer.train(start, data_iter)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that stopped the run is the one to report
+            logger.close()
+        raise
+    finally:
+        data_iter.close()
+    result.update(summary(done))
+    heldout.streak(done.step, "after")
+    heldout.tau("after", done.step)
     logger.close()
-    if primary:
-        result["plot"] = str(plot_metrics(logger.jsonl_path, run_dir / "metrics.png"))
-    total_seconds = time.perf_counter() - t_start
-    result.update(
-        checkpoint_dir=str(ckpt.directory), total_seconds=total_seconds, drafter=drafter, target=target
-    )
-    return result
 
 
 def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step, overwrite: bool) -> Path:

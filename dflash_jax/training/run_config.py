@@ -159,9 +159,14 @@ class TrainSection:
     # A step whose update's norm exceeds this many times the parameters' norm is skipped as blown up
     # (a sane step moves the parameters by a small fraction of their norm)
     max_update_ratio: float = 10.0
+    # Where the metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (the last two where
+    # installed: pip install wandb / mlflow-skinny); [] for the JSONL log alone
+    report_to: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ("tensorboard",)
 
     def __post_init__(self):
         check_fields(self)
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"train.report_to lists a tracker twice: {list(self.report_to)}")
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if self.max_anchors < 1:

@@ -2,6 +2,9 @@
 
 * a fresh run into a directory that already holds a run (checkpoints, metrics) is refused unless
   ``--overwrite``, which removes the old run's files first;
+* ``--resume auto`` (what a scheduler that requeues a job blindly passes) resumes when the
+  directory holds a checkpoint and starts afresh otherwise, replacing what an attempt that never
+  reached its first checkpoint left there;
 * the directory must be writable (checked with a probe file at start, not at the first save);
 * ``--resume`` compares the config stored with the checkpoint against the requested one and
   refuses changes that alter parameter shapes or the data stream, naming every such key; only
@@ -28,6 +31,9 @@ RUN_FILES = (
     "orbax.log",
     "metrics.png",
     "tensorboard",
+    "tracking.json",
+    "mlruns",
+    "wandb",
     "config.json",
     "eval_*.json",
 )
@@ -52,6 +58,7 @@ SAFE_ON_RESUME = (
     "train.run_minutes",
     "train.max_nonfinite_steps",
     "train.max_update_ratio",
+    "train.report_to",
     "eval.*",
     "mesh.*",
     "drafter.attention_impl",
@@ -95,6 +102,18 @@ def prepare(run_dir: str | Path, *, resume: bool, overwrite: bool) -> Path:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     check_writable(run_dir)
     return run_dir
+
+
+def resume_auto(run_dir: str | Path, *, overwrite: bool) -> tuple[bool, bool]:
+    """``--resume auto``: -> (resume, overwrite) for :func:`prepare`: resume when ``run_dir`` holds
+    a checkpoint; else a fresh run that replaces an earlier attempt's files (which hold no
+    checkpoint: nothing a resume could continue)."""
+    if overwrite:
+        raise ConfigError("--resume auto and --overwrite contradict each other: pick one")
+    run_dir = Path(run_dir).expanduser().resolve()
+    if _has_checkpoint(run_dir / "checkpoints"):
+        return True, False
+    return False, True
 
 
 def set_aside_checkpoints(run_dir: Path, step: int) -> list[int]:

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 TIMED_STEPS = 3  # steps after the compiling one that time the step for the budget estimate
 # The estimate is taken again once this fraction of the time limit has been trained: its mean step
-# then includes checkpoint saves and logging. On the demo's 16.7 minutes (BENCHMARKS.md "The
-# schedule's length") steps 10-50 took 0.169 s, the whole run 0.178 s: the first estimate alone
+# then includes checkpoint saves and logging. On the demo's 16.7 minutes (docs/experiments.md,
+# "Performance work") steps 10-50 took 0.169 s, the whole run 0.178 s: the first estimate alone
 # decayed over 6,005 steps where 5,570 fit. A shift this early changes the rate by < 1 %.
 REFINE_FRACTION = 0.1
 
