@@ -181,3 +181,16 @@ def test_eval_command_picks_the_held_out_set(tmp_path):
         parse_args(["--config", "demo", "eval.split=train"])
     assert tau_stderr([1.0, 2.0, None, 3.0]) == pytest.approx(1.0 / 3**0.5)
     assert tau_stderr([1.5]) is None
+
+
+def test_the_feature_cache_identity_changes_with_a_validation_set_only(tmp_path):
+    """The training records change only when a validation set is held out: caches built before it
+    existed keep their identity."""
+    from dflash_jax.training.feature_cache import data_fingerprint
+
+    path = tmp_path / "chats.jsonl"
+    sources.write_chat_jsonl(path, _dataset(n_pairs=0))
+    base = data_fingerprint(DataConfig(sources=[str(path)], heldout_count=4))
+    assert not {"validation_count", "validation_fraction"} & set(base)
+    assert data_fingerprint(DataConfig(sources=[str(path)], heldout_count=4, validation_count=4)) != base
+    assert data_fingerprint(DataConfig(sources=[str(path)], heldout_count=4, validation_count=0)) == base
