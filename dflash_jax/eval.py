@@ -5,12 +5,15 @@
 The config is a run's (default ``demo``; a run directory reads the ``config.json`` its training
 saved): the target (``target.path``, ``target.tokenizer``), the dtypes it trained with
 (``target.dtype``, ``train.compute_dtype``), the thinking switch (``data.enable_thinking``) and the
-held-out prompts (``eval.num_prompts`` of at most ``eval.max_prompt_tokens`` tokens, answered with
-``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
+held-out prompts (``eval.split``: ``test``, the default, is ``eval.num_prompts`` prompts of the
+test set, the final figure; ``validation`` is ``eval.validation_prompts`` of the validation set,
+what recipe A/Bs and other choices are made on; each of at most ``eval.max_prompt_tokens`` tokens,
+answered with ``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
 (:class:`EvalOptions`): ``eval.drafter`` (default: the run directory) is one of our checkpoints
 (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF drafter directory (z-lab or
 speculators layout); ``eval.prompts=FILE`` replaces the held-out prompts by a JSONL of
 ``messages``, ``prompt`` or ``input_ids`` lines (formats in ``dflash_jax.decoding.evaluation``).
+The summary carries tau's standard error over prompts (``tau_stderr``).
 For example, a z-lab drafter of an HF target on a prompt file::
 
   python -m dflash_jax.eval target.path=HF_DIR eval.drafter=DRAFTER_DIR eval.prompts=FILE
@@ -34,6 +37,7 @@ from typing import Literal
 
 from dflash_jax.cli import check_output_free, cli
 from dflash_jax.config_io import check_fields
+from dflash_jax.data.splits import HeldoutSplit
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,9 @@ class EvalOptions:
 
     drafter: str | None = None  # default: the run directory
     step: int | None = None  # checkpoint step of eval.drafter (default: the latest)
-    prompts: str | None = None  # a JSONL file (default: the run's held-out prompts)
+    prompts: str | None = None  # a JSONL file (default: the run's held-out prompts of eval.split)
+    # which held-out set: test (the final report) or validation (what choices are made on)
+    split: HeldoutSplit = "test"
     limit: int | None = None  # the first N prompts of eval.prompts
     block_size: int | None = None  # default: the drafter's
     batch_size: int = 8
@@ -140,6 +146,14 @@ def _stop_ids(opts: EvalOptions, target_config, tokenizer) -> tuple[int, ...]:
     return stop_token_ids(target_config, tokenizer)
 
 
+def tau_stderr(per_prompt_tau) -> float | None:
+    """Standard error of the per-prompt mean tau (None below two prompts with a verify step)."""
+    import numpy as np
+
+    taus = np.array([t for t in per_prompt_tau if t is not None], np.float64)
+    return float(taus.std(ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
@@ -183,12 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from dflash_jax.training.evaluation import heldout_prompt_ids
 
-        held = heldout_prompt_ids(cfg, tokenizer())
-        records = [{"id": f"heldout-{i}", "input_ids": ids} for i, ids in enumerate(held)]
+        held = heldout_prompt_ids(cfg, tokenizer(), opts.split)
+        name = "heldout" if opts.split == "test" else opts.split
+        records = [{"id": f"{name}-{i}", "input_ids": ids} for i, ids in enumerate(held)]
         if not records:
+            count, fields = (
+                ("eval.num_prompts", "data.heldout_count / data.heldout_fraction")
+                if opts.split == "test"
+                else ("eval.validation_prompts", "data.validation_count / data.validation_fraction")
+            )
             raise PromptError(
-                "the run has no held-out prompts (eval.num_prompts=0, or no data.heldout_count / "
-                "data.heldout_fraction): set eval.prompts=FILE or eval.num_prompts=N"
+                f"the run has no {opts.split} prompts (eval.split={opts.split}: {count}=0, or no {fields}): "
+                f"set eval.prompts=FILE, or {count}=N and {fields}"
             )
     tok = tok_holder[-1] if tok_holder else None
     stops = _stop_ids(opts, target.config, tok)
@@ -211,11 +231,22 @@ def main(argv: list[str] | None = None) -> int:
         exact_tail=not opts.fast_tail,
         attention_impl=opts.attention_impl,
     )
-    report["summary"].update(target=str(target_dir), drafter=str(drafter_path), stop_token_ids=list(stops))
+    report["summary"].update(
+        target=str(target_dir),
+        drafter=str(drafter_path),
+        stop_token_ids=list(stops),
+        prompts=opts.prompts or f"held-out {opts.split} set",
+        tau_stderr=tau_stderr([r["tau"] for r in report["prompts"]]),
+    )
     if tok is not None:
         for row in report["prompts"]:
             row["output_text"] = tok.decode(row["output_ids"], skip_special_tokens=True)
     print(format_summary(report["summary"]))
+    if report["summary"]["tau_stderr"] is not None:
+        print(
+            f"tau standard error over prompts: {report['summary']['tau_stderr']:.3f} "
+            f"({report['summary']['prompts']})"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -1,9 +1,12 @@
 # Shared by scripts/run_ab.sh and scripts/run_cache_ab.sh: the held-out prompts every A/B drafter is
 # evaluated on, the one evaluation command, and the report. Source it with PY (the python to use)
-# and REPO (the repository whose code evaluates) set.
-AB_PROMPT_OVERRIDES=(data.heldout_count=128 eval.num_prompts=32 eval.max_new_tokens=128)
+# and REPO (the repository whose code evaluates) set. A/Bs choose, so they measure the demo's
+# validation set (data.validation_count conversations, never trained on, apart from the test set the
+# final figure is reported on); a drafter trained by code older than the validation set held only the
+# test conversations out and may have trained on these.
+AB_PROMPT_OVERRIDES=(eval.validation_prompts=32 eval.max_new_tokens=128)
 
-ab_write_prompts() {  # FILE: the demo's first 32 held-out prompts as token ids, one JSON line each
+ab_write_prompts() {  # FILE: the demo's first 32 validation prompts as token ids, one JSON line each
   PYTHONPATH=$REPO "$PY" - "$1" "${AB_PROMPT_OVERRIDES[@]}" <<'PYEOF'
 import json, sys
 from transformers import AutoTokenizer
@@ -11,8 +14,9 @@ from convert.smollm2 import smollm2_dir
 from dflash_jax.training.evaluation import heldout_prompt_ids
 from dflash_jax.training.run_config import load_run_config
 cfg = load_run_config("demo", sys.argv[2:])
-ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(smollm2_dir()))
-assert len(ids) == cfg.eval.num_prompts, f"{len(ids)} held-out prompts, want {cfg.eval.num_prompts}"
+ids = heldout_prompt_ids(cfg, AutoTokenizer.from_pretrained(smollm2_dir()), "validation")
+want = cfg.eval.validation_prompts
+assert len(ids) == want, f"{len(ids)} validation prompts, want {want}"
 with open(sys.argv[1], "w") as f:
     f.writelines(json.dumps({"id": f"h{i}", "input_ids": p}) + "\n" for i, p in enumerate(ids))
 PYEOF

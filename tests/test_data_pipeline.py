@@ -188,6 +188,7 @@ def test_sharegpt_parts_of_one_chat_are_held_out_together(tmp_path, monkeypatch)
     pipeline._cached_index.cache_clear()
     cfg = DataConfig(sources=["sharegpt"], heldout_count=4)
     train, held, _ = pipeline.split_records(cfg)
+    held = held["test"]
     assert len(held) == 4 and all(len(h) == 3 for h in held)
     held_chats = {k.split(":")[1].rsplit("_", 1)[0] for h in held for k in h.keys}
     assert not held_chats & {k.split(":")[1].rsplit("_", 1)[0] for k in train.keys}

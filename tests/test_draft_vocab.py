@@ -434,6 +434,7 @@ def test_regenerated_data_is_keyed_by_what_changes_the_answers(tmp_path):
     assert key("eval.curve_prompts=4", "eval.curve_every_minutes=1") == base
     assert key("regen.answers=target") != base  # the demo keeps the data's replies
     assert key("data.heldout_count=8") != base
+    assert key("data.validation_count=8") != base and key("eval.validation_prompts=4") != base
     assert key("target.dtype=float32") != base  # the target's greedy answers change with its dtype
 
 

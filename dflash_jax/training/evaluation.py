@@ -1,11 +1,14 @@
 """Held-out evaluation during training: loss/streak on held-out batches and tau.
 
-Held-out prompts are never trained on. Tau after training is measured by greedy speculative
-decoding (:func:`dflash_jax.decoding.evaluation.evaluate`). With the target's greedy answers to the
-same prompts at hand (the regeneration cache makes them), tau before training and the curve during
-it are measured by replaying those answers (:mod:`dflash_jax.decoding.replay`: the same steps
-decoding would take, in seconds instead of minutes), and the final measurement reports its replay
-beside it, a check that the two agree.
+Held-out prompts are never trained on, and come in two disjoint sets (``data/splits.py``): the
+**test** prompts give the run's reported figures (tau and the held-out loss/streak before and after
+training, ``eval_before.json`` / ``eval_after.json``), the **validation** prompts the tau curve
+during training, what a choice may be made on without biasing the test figure. Tau after training
+is measured by greedy speculative decoding (:func:`dflash_jax.decoding.evaluation.evaluate`). With
+the target's greedy answers to the prompts at hand (the regeneration cache makes them), tau before
+training and the curve during it are measured by replaying those answers
+(:mod:`dflash_jax.decoding.replay`: the same steps decoding would take, in seconds instead of
+minutes), and the final measurement reports its replay beside it, a check that the two agree.
 """
 
 from __future__ import annotations
@@ -47,27 +50,44 @@ def heldout_metrics(eval_step, drafter, target, batches, key) -> dict | None:
     return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0) for k in ("loss", "streak", "slot_acc")}
 
 
-def heldout_prompts(cfg: RunConfig, tokenizer) -> list[tuple[list[dict], list[int]]]:
-    """(messages, token ids) of the held-out prompts (never trained) tau is measured on: the first
-    ``eval.num_prompts`` of at most ``eval.max_prompt_tokens`` tokens."""
+def num_prompts(cfg: RunConfig, split: str) -> int:
+    """How many prompts of the ``test`` (``eval.num_prompts``) or ``validation``
+    (``eval.validation_prompts``) set tau is measured on."""
+    return cfg.eval.num_prompts if split == "test" else cfg.eval.validation_prompts
+
+
+def heldout_prompts(cfg: RunConfig, tokenizer, split: str = "test") -> list[tuple[list[dict], list[int]]]:
+    """(messages, token ids) of the ``split`` set's held-out prompts (never trained) tau is measured
+    on: the first ``eval.num_prompts`` (test) or ``eval.validation_prompts`` (validation) of at most
+    ``eval.max_prompt_tokens`` tokens."""
     from dflash_jax.data.pipeline import load_heldout_prompts
     from dflash_jax.decoding.prompts import encode_prompt
 
-    if cfg.eval.num_prompts == 0 or not (cfg.data.heldout_fraction > 0 or cfg.data.heldout_count):
+    n = num_prompts(cfg, split)
+    if n == 0 or not cfg.data.holds_out(split):
         return []
     out = []
-    for p in load_heldout_prompts(cfg.data):
+    for p in load_heldout_prompts(cfg.data, split=split):
         ids = encode_prompt(tokenizer, p["messages"], cfg.data.enable_thinking)
         if len(ids) <= cfg.eval.max_prompt_tokens:
             out.append((p["messages"], ids))
-        if len(out) >= cfg.eval.num_prompts:
+        if len(out) >= n:
             break
+    if len(out) < n:
+        log.warning(
+            "%s set: %d held-out prompts of at most eval.max_prompt_tokens=%d tokens, fewer than the %d "
+            "asked for",
+            split,
+            len(out),
+            cfg.eval.max_prompt_tokens,
+            n,
+        )
     return out
 
 
-def heldout_prompt_ids(cfg: RunConfig, tokenizer) -> list[list[int]]:
-    """Token ids of the held-out prompts (never trained) for the tau evaluation."""
-    return [ids for _, ids in heldout_prompts(cfg, tokenizer)]
+def heldout_prompt_ids(cfg: RunConfig, tokenizer, split: str = "test") -> list[list[int]]:
+    """Token ids of the ``split`` set's held-out prompts (never trained) for the tau evaluation."""
+    return [ids for _, ids in heldout_prompts(cfg, tokenizer, split)]
 
 
 def measure_tau(
@@ -136,20 +156,19 @@ FINAL_DECODE_OVER_ANSWERS = 2.0
 
 
 class HeldoutReports:
-    """What a run reports about its drafter on data it never trains on: tau before/after training
-    (``eval_<when>.json`` in the run dir, logged with per-slot acceptance), tau for the curve during
-    training, and the held-out loss/streak of the regenerated held-out batches.
+    """What a run reports about its drafter on data it never trains on: test-set tau before/after
+    training (``eval_<when>.json`` in the run dir, logged with per-slot acceptance, prefix
+    ``heldout`` in the metrics), validation-set tau for the curve during training (prefix
+    ``validation``), and the held-out loss/streak of the regenerated test answers.
 
-    With the target's greedy answers to the eval prompts (``parts.eval_answers``) tau before training
-    and on the curve is replayed (all prompts, full length, seconds), and tau after training is
-    decoded with the replay beside it; without them everything is decoded (the curve on
-    ``eval.curve_prompts`` x ``eval.curve_max_new_tokens``)."""
+    With the target's greedy answers to the prompts (``parts.eval_answers``,
+    ``parts.validation_answers``) tau before training and on the curve is replayed (all prompts,
+    full length, seconds; the curve's points at the start and end of training too), and tau after
+    training is decoded with the replay beside it; without them everything is decoded (the curve on
+    ``eval.curve_prompts`` validation prompts x ``eval.curve_max_new_tokens``)."""
 
     def __init__(self, cfg: RunConfig, parts, drafter, eval_step, batches, *, logger, result: dict, run_dir):
         import jax
-
-        from dflash_jax.decoding.prompts import stop_token_ids
-        from dflash_jax.decoding.replay import Replay
 
         self.cfg, self.parts, self.drafter, self.eval_step, self.batches = (
             cfg,
@@ -160,18 +179,32 @@ class HeldoutReports:
         )
         self.logger, self.result, self.run_dir = logger, result, run_dir
         self.key = jax.random.key(cfg.train.seed + 1)
-        self.replay, self.replay_seconds = None, None
-        answers = getattr(parts, "eval_answers", None)
-        if answers and parts.eval_prompts:
-            self.replay = Replay(
-                parts.target,
-                parts.eval_prompts,
-                answers.answers,
-                layer_ids=drafter.config.target_layer_ids,
-                max_new_tokens=answers.max_new_tokens,
-                stop_token_ids=stop_token_ids(parts.target.config, parts.tokenizer),
-            )
-            self.answer_seconds = answers.seconds
+        self.replay = self._make_replay(parts.eval_prompts, getattr(parts, "eval_answers", None))
+        self.validation_replay = self._make_replay(
+            getattr(parts, "validation_prompts", ()), getattr(parts, "validation_answers", None)
+        )
+        self._replay_seconds: dict[str, float] = {}
+        if self.replay is not None:
+            self.answer_seconds = parts.eval_answers.seconds
+
+    def _make_replay(self, prompts, answers):
+        from dflash_jax.decoding.prompts import stop_token_ids
+        from dflash_jax.decoding.replay import Replay
+
+        if not answers or not prompts:
+            return None
+        return Replay(
+            self.parts.target,
+            prompts,
+            answers.answers,
+            layer_ids=self.drafter.config.target_layer_ids,
+            max_new_tokens=answers.max_new_tokens,
+            stop_token_ids=stop_token_ids(self.parts.target.config, self.parts.tokenizer),
+        )
+
+    @property
+    def curve_enabled(self) -> bool:
+        return bool(self.cfg.eval.curve_every_minutes) and bool(getattr(self.parts, "validation_prompts", ()))
 
     def final_eval_estimate_s(self, before_s: float) -> float:
         """Seconds to set aside for the decoding after training, ``before_s`` being what the
@@ -181,25 +214,31 @@ class HeldoutReports:
         return FINAL_DECODE_OVER_ANSWERS * self.answer_seconds
 
     def curve_estimate_s(self, before_s: float) -> float:
-        """Seconds a curve point takes."""
-        if self.replay is not None:
-            return self.replay_seconds if self.replay_seconds is not None else before_s
+        """Seconds a curve point takes (on the validation set; ``before_s``: the test set's
+        measurement before training)."""
+        if self.validation_replay is not None:
+            return self._replay_seconds.get("validation", before_s)
         cfg, n = self.cfg.eval, len(self.parts.eval_prompts)
-        if not n:
+        n_val = len(getattr(self.parts, "validation_prompts", ()))
+        if not n or not n_val:
             return 0.0
-        return before_s * min(cfg.curve_prompts, n) / n * cfg.curve_max_new_tokens / cfg.max_new_tokens
+        return before_s * min(cfg.curve_prompts, n_val) / n * cfg.curve_max_new_tokens / cfg.max_new_tokens
 
-    def _replay(self) -> dict:
+    def _replay(self, split: str = "test") -> dict:
+        replay = self.replay if split == "test" else self.validation_replay
         t0 = time.perf_counter()
-        rep = replay_tau(self.replay, self.drafter)
-        if self.replay_seconds is None:  # the first one computes the target features and compiles
+        rep = replay_tau(replay, self.drafter)
+        if split not in self._replay_seconds:  # the first one computes the target features and compiles
             t0 = time.perf_counter()
-            rep = replay_tau(self.replay, self.drafter)
-        self.replay_seconds = time.perf_counter() - t0
+            rep = replay_tau(replay, self.drafter)
+        self._replay_seconds[split] = time.perf_counter() - t0
         return rep
 
     def tau(self, when: str, step: int) -> None:
+        """Test-set tau ``before`` or ``after`` training (and, by replay, the curve's point)."""
         cfg, prompts = self.cfg, list(self.parts.eval_prompts)
+        if self.validation_replay is not None and self.curve_enabled:
+            self.tau_curve(step)  # replayed: seconds, the curve's first and last points
         if not prompts:
             return
         if self.replay is not None and when == "before":
@@ -208,15 +247,16 @@ class HeldoutReports:
             rep = measure_tau(cfg, self.parts.target, self.drafter, self.parts.tokenizer, prompts)
             if self.replay is not None:
                 rep["replay"] = self._replay()
+        rep["split"] = "test"
         self.result[f"tau_{when}"], self.result[f"eval_{when}"] = rep["tau"], rep
-        if self.replay is not None:  # the curve's prompts and length: its first and last points
-            self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
+        self.result[f"tau_{when}_stderr"] = rep["tau_stderr"]
+        self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
         (self.run_dir / f"eval_{when}.json").write_text(json.dumps(rep, indent=2))
         shown = rep["per_slot_acceptance"][:8]
         slots = " ".join("-" if a is None else f"{a:.2f}" for a in shown)
         log.info(
-            "held-out tau %s training (%s): %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify steps); "
-            "acceptance of draft slots 1..%d: %s",
+            "test-set tau %s training (%s): %.3f +- %.3f (s.e.) over %d prompts x %d tokens (%d verify "
+            "steps); acceptance of draft slots 1..%d: %s",
             when,
             rep["method"],
             rep["tau"],
@@ -241,10 +281,10 @@ class HeldoutReports:
             )
 
     def tau_curve(self, step: int) -> None:
-        """Held-out tau during training, for the curve in metrics.png."""
+        """Validation-set tau during training, for the curve in metrics.png."""
         cfg = self.cfg
-        if self.replay is not None:
-            rep, n_tokens = self._replay(), cfg.eval.max_new_tokens
+        if self.validation_replay is not None:
+            rep, n_tokens = self._replay("validation"), cfg.eval.max_new_tokens
         else:
             n_tokens = cfg.eval.curve_max_new_tokens
             rep = measure_tau(
@@ -252,12 +292,12 @@ class HeldoutReports:
                 self.parts.target,
                 self.drafter,
                 self.parts.tokenizer,
-                list(self.parts.eval_prompts[: cfg.eval.curve_prompts]),
+                list(self.parts.validation_prompts[: cfg.eval.curve_prompts]),
                 max_new_tokens=n_tokens,
             )
-        self.logger.log(step, {"tau": rep["tau"]}, prefix="heldout")
+        self.logger.log(step, {"tau": rep["tau"]}, prefix="validation")
         log.info(
-            "step %d: held-out tau %.3f +- %.3f (%s, %d prompts x %d tokens)",
+            "step %d: validation tau %.3f +- %.3f (%s, %d prompts x %d tokens)",
             step,
             rep["tau"],
             rep["tau_stderr"] or 0.0,
@@ -271,4 +311,4 @@ class HeldoutReports:
         if metrics is not None:
             self.logger.log(step, metrics, prefix="heldout")
             self.result[f"heldout_streak_{when}"] = float(metrics["streak"])
-            log.info("held-out streak %s training: %.3f", when, metrics["streak"])
+            log.info("held-out (test) streak %s training: %.3f", when, metrics["streak"])

@@ -122,6 +122,10 @@ def data_fingerprint(data_cfg) -> dict:
     # keep the identity (and the auto directory) they had before the field existed.
     if out.get("features_minutes") is None:
         out.pop("features_minutes", None)
+    # Likewise without a validation set: the training records are those of before it existed.
+    if not out.get("validation_count") and not out.get("validation_fraction"):
+        out.pop("validation_count", None)
+        out.pop("validation_fraction", None)
     paths = [Path(resolve_source(s)[0]) for s in data_cfg.sources]
     out["sources"] = [f"{p.name}:{file_digest(p)}" for p in paths]
     return out

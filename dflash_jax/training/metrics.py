@@ -233,7 +233,12 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(jsonl_path)
-    taus = [r for r in rows if r.get("split") == "heldout" and "tau" in r]
+    # the validation set's curve and the test set's points before/after training
+    taus = {
+        split: [r for r in rows if r.get("split") == split and "tau" in r]
+        for split in ("validation", "heldout")
+    }
+    taus = {split: pts for split, pts in taus.items() if pts}
     fig, axes = plt.subplots(1, 3 if taus else 2, figsize=(15 if taus else 10, 3.8))
     for split, style in (("train", "-"), ("heldout", "o--")):
         pts = [r for r in rows if r.get("split") == split and "loss" in r]
@@ -244,8 +249,12 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
         axes[1].plot(steps, [r["streak"] for r in pts], style, label=split)
     axes[0].set_title("loss")
     axes[1].set_title("streak (teacher-forced accepted length)")
+    for split, style, label in (("validation", "o-", "validation"), ("heldout", "s", "test")):
+        if split in taus:
+            axes[2].plot(
+                [r["step"] for r in taus[split]], [r["tau"] for r in taus[split]], style, label=label
+            )
     if taus:
-        axes[2].plot([r["step"] for r in taus], [r["tau"] for r in taus], "o-", label="heldout")
         axes[2].set_title("held-out tau (accepted tokens per verify step)")
     for ax in axes:
         ax.set_xlabel("step")

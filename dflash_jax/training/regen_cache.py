@@ -3,12 +3,14 @@
 DFlash drafters learn the target's distribution, so prompts are answered by the target itself.
 With ``regen.answers: dataset`` the training prompts keep the data's own first reply (nothing is
 generated for them; the labels are still the target's argmax over that text). The held-out prompts
-tau is measured on (``evaluation.heldout_prompts``) are answered greedily, ``eval.max_new_tokens``
-each: their text is the held-out loss's data (``heldout.jsonl``), their token ids
-(``heldout_answers.json``) what tau is replayed on (``decoding.replay``). The result is cached under
+tau is measured on (``evaluation.heldout_prompts``: the test set's and the validation set's) are
+answered greedily, ``eval.max_new_tokens`` each: the test answers' text is the held-out loss's data
+(``heldout.jsonl``), their token ids (``heldout_answers.json``, ``validation_answers.json``) what
+tau is replayed on (``decoding.replay``). The result is cached under
 ``assets.cache_root()/regenerated/<digest>``, keyed by what changes the answers: the target, the
-tokenizer and its template, the prompts chosen (``PROMPT_FIELDS`` of the data section), the
-generation settings (``regen.answers`` included) and the held-out prompts and answer length.
+tokenizer and its template, the prompts chosen (``PROMPT_FIELDS`` of the data section and the
+split's version), the generation settings (``regen.answers`` included) and the held-out prompts and
+answer length.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_jax import assets
+from dflash_jax.data import splits
 from dflash_jax.training.run_config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,8 @@ PROMPT_FIELDS = (
     "max_records",
     "heldout_fraction",
     "heldout_count",
+    "validation_fraction",
+    "validation_count",
     "heldout_seed",
     "enable_thinking",
     "chat_template",
@@ -56,6 +61,8 @@ def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
             "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
             "regen": dataclasses.asdict(cfg.regen),
             "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens, cfg.eval.max_new_tokens],
+            "validation_prompts": cfg.eval.validation_prompts,
+            "split": splits.VERSION,  # the same fields put other records where
             "heldout": "greedy answers to the eval prompts, ids kept",
         },
         sort_keys=True,
@@ -97,10 +104,11 @@ class HeldoutAnswers:
 
 
 def regenerated_data(
-    cfg: RunConfig, target, tokenizer, target_dir: Path, heldout_prompts
-) -> tuple[Path, Path, Path]:
-    """-> (train JSONL, held-out JSONL, held-out answers JSON), generated once per content key and
-    reused after. ``heldout_prompts``: (messages, ids) of the eval prompts (``evaluation.heldout_prompts``)."""
+    cfg: RunConfig, target, tokenizer, target_dir: Path, heldout_prompts, validation_prompts=()
+) -> tuple[Path, Path, Path, Path]:
+    """-> (train JSONL, held-out JSONL, test answers JSON, validation answers JSON), generated once
+    per content key and reused after. ``heldout_prompts`` / ``validation_prompts``: (messages, ids)
+    of the test / validation prompts (``evaluation.heldout_prompts``)."""
     from dflash_jax.data import sources
     from dflash_jax.data.pipeline import split_records
     from dflash_jax.decoding.regeneration import (
@@ -114,10 +122,11 @@ def regenerated_data(
     r = cfg.regen
     out_dir = assets.cache_root() / "regenerated" / regen_key(cfg, tokenizer, target_dir)
     train_path, held_path = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
-    answers_path = out_dir / "heldout_answers.json"
-    if train_path.is_file() and held_path.is_file() and answers_path.is_file():
+    answers_path, val_path = out_dir / "heldout_answers.json", out_dir / "validation_answers.json"
+    paths = (train_path, held_path, answers_path, val_path)
+    if all(p.is_file() for p in paths):
         log.info("using cached regenerated data in %s", out_dir)
-        return train_path, held_path, answers_path
+        return paths
     out_dir.mkdir(parents=True, exist_ok=True)
     train_idx, _, _ = split_records(cfg.data)
     src = sources.RecordSource(train_idx)
@@ -127,26 +136,40 @@ def regenerated_data(
     finally:
         src.close()
 
-    t0 = time.perf_counter()
-    held, answers = answer_prompts(
-        target,
-        tokenizer,
-        [(f"heldout-{i}", msgs, ids) for i, (msgs, ids) in enumerate(heldout_prompts)],
-        report=RegenReport(),
-        max_new_tokens=cfg.eval.max_new_tokens,
-        batch_size=r.batch_size,
-        desc="held-out answers",
-    )
-    seconds = time.perf_counter() - t0
-    n_tok = sum(map(len, answers))
-    log.info(
-        "held-out: the target's greedy answers to %d prompts (%d tokens in %.0f s, %.0f tokens/s; %d empty)",
-        len(answers),
-        n_tok,
-        seconds,
-        n_tok / max(seconds, 1e-9),
-        len(answers) - len(held),
-    )
+    def answer(split: str, prompts):
+        t0 = time.perf_counter()
+        texts, answers = answer_prompts(
+            target,
+            tokenizer,
+            [
+                (f"{'heldout' if split == 'test' else split}-{i}", m, ids)
+                for i, (m, ids) in enumerate(prompts)
+            ],
+            report=RegenReport(),
+            max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=r.batch_size,
+            desc=f"{split} answers",
+        )
+        seconds = time.perf_counter() - t0
+        n_tok = sum(map(len, answers))
+        log.info(
+            "%s: the target's greedy answers to %d prompts (%d tokens in %.0f s, %.0f tokens/s; %d empty)",
+            split,
+            len(answers),
+            n_tok,
+            seconds,
+            n_tok / max(seconds, 1e-9),
+            len(answers) - len(texts),
+        )
+        return texts, HeldoutAnswers(
+            prompts=tuple(tuple(ids) for _, ids in prompts),
+            answers=tuple(tuple(a) for a in answers),
+            max_new_tokens=cfg.eval.max_new_tokens,
+            seconds=seconds,
+        )
+
+    held, test_answers = answer("test", heldout_prompts)
+    _, validation_answers = answer("validation", validation_prompts) if validation_prompts else (None, None)
     if r.answers == "dataset":
         train, rep_t = dataset_replies(
             tokenizer,
@@ -167,14 +190,10 @@ def regenerated_data(
         )
     log.info("train: %s", rep_t.summary())
     sources.write_chat_jsonl(held_path, held)
-    HeldoutAnswers(
-        prompts=tuple(tuple(ids) for _, ids in heldout_prompts),
-        answers=tuple(tuple(a) for a in answers),
-        max_new_tokens=cfg.eval.max_new_tokens,
-        seconds=seconds,
-    ).write(answers_path)
+    test_answers.write(answers_path)
+    (validation_answers or HeldoutAnswers((), (), cfg.eval.max_new_tokens, 0.0)).write(val_path)
     sources.write_chat_jsonl(train_path, train)  # last: its presence says the rest is complete
-    return train_path, held_path, answers_path
+    return paths
 
 
 def data_configs(cfg: RunConfig, train_path: Path, held_path: Path):
@@ -190,7 +209,13 @@ def data_configs(cfg: RunConfig, train_path: Path, held_path: Path):
             f"regen.max_prompt_tokens={cfg.regen.max_prompt_tokens} tokens and a non-empty reply)"
         )
     data_cfg = dataclasses.replace(
-        cfg.data, sources=(str(train_path),), heldout_fraction=0.0, heldout_count=None, max_records=None
+        cfg.data,
+        sources=(str(train_path),),
+        heldout_fraction=0.0,
+        heldout_count=None,
+        validation_fraction=0.0,
+        validation_count=None,
+        max_records=None,
     )
     if held_path.stat().st_size == 0:
         if cfg.eval.num_prompts == 0:

@@ -319,13 +319,15 @@ def _trainer(
     trainer.add_hook(checkpoints, every=train.checkpoint_every)
     trainer.add_hook(checkpoints.raise_failed_save)
     # the curve decodes on one process (a multi-process run measures tau with dflash_jax.eval)
-    if (
-        parts.eval_prompts
-        and distributed.is_primary()
-        and jax.process_count() == 1
-        and cfg.eval.curve_every_minutes
-    ):
+    if heldout.curve_enabled and distributed.is_primary() and jax.process_count() == 1:
         trainer.add_hook(hooks.TauCurve(heldout.tau_curve, cfg.eval.curve_every_minutes))
+    elif cfg.eval.curve_every_minutes and not parts.validation_prompts:
+        log.warning(
+            "eval.curve_every_minutes=%g: no tau curve, the run has no validation prompts (the curve is "
+            "measured on the validation set, never on the test set: set data.validation_count or "
+            "data.validation_fraction, and eval.validation_prompts)",
+            cfg.eval.curve_every_minutes,
+        )
     trainer.add_hook(hooks.StopAt(step=stop_at_step, minutes=train.time_limit_minutes))
 
     def summary(done) -> dict:

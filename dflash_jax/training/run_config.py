@@ -225,14 +225,17 @@ class RegenSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    """Held-out tau on ``num_prompts`` x ``max_new_tokens`` before and after training and, with
-    ``curve_every_minutes``, during training (the tau curve of metrics.png; its time is not training
-    time). After training it is measured by real speculative decoding. With ``regen.enabled`` the
-    target's greedy answers to these prompts are cached, and before training and on the curve tau is
-    replayed from them (``decoding.replay``: the steps decoding would take, in seconds); without
-    them it is decoded, the curve on the first ``curve_prompts`` x ``curve_max_new_tokens``."""
+    """Held-out tau on the test set (``data.heldout_*``: ``num_prompts`` x ``max_new_tokens``)
+    before and after training, the run's reported figure, and, with ``curve_every_minutes``, on the
+    validation set (``data.validation_*``: ``validation_prompts``) during training: the tau curve of
+    metrics.png (its time is not training time), what a choice may be made on. After training tau is
+    measured by real speculative decoding. With ``regen.enabled`` the target's greedy answers to both
+    sets' prompts are cached, and before training and on the curve tau is replayed from them
+    (``decoding.replay``: the steps decoding would take, in seconds); without them it is decoded, the
+    curve on the first ``curve_prompts`` validation prompts x ``curve_max_new_tokens``."""
 
     num_prompts: int = 8
+    validation_prompts: int = 8
     max_new_tokens: int = 64
     max_prompt_tokens: int = 384
     before_training: bool = True
@@ -248,6 +251,9 @@ class EvalSection:
         for name in ("curve_prompts", "curve_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("num_prompts", "validation_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
