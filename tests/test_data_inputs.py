@@ -318,3 +318,20 @@ def test_content_parts_are_joined(qwen, tmp_path):
     ids, mask = tokenize_conversation(qwen, rec["messages"], enable_thinking=False)
     assert ids.tolist() == _hf_ids(qwen, joined, enable_thinking=False)
     assert _trained_runs(qwen, ids, mask) == ["4<|im_end|>"]
+
+
+def test_written_chat_files_keep_tool_calls(tmp_path):
+    p = tmp_path / "out.jsonl"
+    sources.write_chat_jsonl(p, [{"id": "g", "tools": TOOLS, "messages": TOOL_CHAT}])
+    back = sources.read_chat_jsonl(p)
+    assert back[0]["tools"] == TOOLS
+    assert back[0]["messages"][1]["tool_calls"] == TOOL_CHAT[1]["tool_calls"]
+    assert back[0]["messages"][2] == {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "c1"}
+
+
+def test_pre_tokenized_rows_are_not_regenerated(qwen):
+    from dflash_jax.decoding.regeneration import dataset_replies
+
+    row = {"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1], "origin": "tokens.jsonl:1"}
+    with pytest.raises(BadDataError, match="^tokens.jsonl:1: a pre-tokenized row has no conversation"):
+        dataset_replies(qwen, [row])

@@ -866,7 +866,7 @@ class RecordSource:
 
 
 def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> int:
-    """Write normalised chat records (``{"id", "messages"}``, extra keys kept) as JSON lines.
+    """Write chat records (``{"id", "messages"}``, extra keys kept) as JSON lines, turns normalised.
 
     Every record is validated first (a bad one raises :class:`BadRecordError` naming its position);
     the file appears atomically. Returns the number of records written. The output is a valid
@@ -889,7 +889,7 @@ def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any
                     raise BadRecordError(origin, "no_id", "record has no 'id'")
                 out = {k: v for k, v in rec.items() if k not in ("messages", "conversations", "origin")}
                 out["id"] = norm["id"]
-                out["messages"] = [{"role": m["role"], "content": m["content"]} for m in rec_messages(rec)]
+                out["messages"] = rec_messages(rec)
                 f.write(json.dumps(out, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     except BaseException:
@@ -900,13 +900,8 @@ def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any
 
 
 def rec_messages(rec: Mapping[str, Any]) -> list[dict]:
-    """All turns of a record with roles mapped (trailing user turns kept, unlike training)."""
-    turns = rec.get("messages", rec.get("conversations"))
-    out = []
-    for t in turns:
-        role = ROLE_ALIASES[str(t.get("from", t.get("role"))).strip().lower()]
-        out.append({"role": role, "content": t.get("value", t.get("content"))})
-    return out
+    """All turns of a valid record, normalised (trailing user turns kept, unlike training)."""
+    return _record_turns(dict(rec))
 
 
 def read_chat_jsonl(path: str | os.PathLike, *, on_bad_record: str = "fail") -> list[dict]:
