@@ -148,8 +148,7 @@ def test_save_to_disk_splits_and_plain_directories(tmp_path):
         sources.resolve_source(str(tmp_path / "plain"))
 
 
-def test_hf_name_not_in_the_local_cache_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+def test_hf_name_not_in_the_local_cache_is_a_clear_error():
     with pytest.raises(
         FileNotFoundError, match="not readable from the local Hugging Face cache.*nothing is downloaded"
     ):
@@ -335,3 +334,13 @@ def test_pre_tokenized_rows_are_not_regenerated(qwen):
     row = {"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1], "origin": "tokens.jsonl:1"}
     with pytest.raises(BadDataError, match="^tokens.jsonl:1: a pre-tokenized row has no conversation"):
         dataset_replies(qwen, [row])
+
+
+def test_json_and_table_sources_together(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(2)))
+    q = tmp_path / "b.parquet"
+    datasets.Dataset.from_list([_chat(i) for i in range(2, 5)]).to_parquet(str(q))
+    index, report = index_sources([str(p), str(q)], max_records=4)
+    assert [r["origin"] for r in _read_all(index)] == [f"{p}:1", f"{p}:2", f"{q}:row 0", f"{q}:row 1"]
+    assert [s.records_kept for s in report.sources] == [2, 2] and report.sources[1].stopped_at_max_records
