@@ -169,7 +169,7 @@ def test_pre_tokenized_rows_are_trained_as_they_are(qwen, tmp_path, caplog):
         {"id": "t3", "input_ids": [40, vocab, 42], "loss_mask": [0, 1, 1]},  # another model's ids
     ]
     d = tmp_path / "tokens"
-    datasets.Dataset.from_list(rows).save_to_disk(str(d))
+    datasets.Dataset.from_list(rows).with_format("numpy").save_to_disk(str(d))  # saved with its format
     index = _bad_record_is_named(d, f"{d}:row 2", "bad_tokens", "'input_ids' has 4 tokens but 'loss_mask' 3")
     recs = _read_all(index)
     assert [(r["input_ids"], r["loss_mask"]) for r in recs] == [
