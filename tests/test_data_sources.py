@@ -129,22 +129,57 @@ _BAD_LINES = {
             {
                 "id": "s",
                 "messages": [
-                    {"role": "user", "content": [{"type": "text"}]},
+                    {"role": "user", "content": {"text": "q"}},
                     {"role": "assistant", "content": "a"},
                 ],
             }
         ),
-        "content is list, expected a string",
+        "content is dict, expected a string or a list of text parts",
+    ),
+    "non_text_content": (
+        json.dumps(
+            {
+                "id": "p",
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                    {"role": "assistant", "content": "a"},
+                ],
+            }
+        ),
+        "content part 0 is 'image_url'",
     ),
     "unknown_role": (
         json.dumps(
             {
                 "id": "u",
-                "messages": [{"role": "tool", "content": "{}"}, {"role": "assistant", "content": "a"}],
+                "messages": [{"role": "robot", "content": "{}"}, {"role": "assistant", "content": "a"}],
             }
         ),
-        "unknown role 'tool'",
+        "unknown role 'robot'",
     ),
+    "bad_tool_calls": (
+        json.dumps(
+            {
+                "id": "c",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]},
+                ],
+            }
+        ),
+        r"tool_calls\[0\] has no 'function' with a 'name'",
+    ),
+    "bad_tools": (
+        json.dumps(
+            {
+                "id": "t",
+                "tools": "{not json",
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            }
+        ),
+        "'tools' is a string but not JSON",
+    ),
+    "bad_tokens": (json.dumps({"id": "k", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}), "must match"),
     "empty_conversation": (json.dumps({"id": "z", "conversations": []}), "'conversations' is empty"),
 }
 

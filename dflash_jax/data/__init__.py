@@ -1,8 +1,9 @@
 """Chat data -> tokenised, loss-masked, packed batches.
 
-  sources   ShareGPT / OpenAI-style JSON and JSONL, the packaged ShareGPT V3 (streamed), bad-record
-            policy, ``write_chat_jsonl`` / ``read_chat_jsonl``
-  chat      ``tokenize_conversation``: the target's chat template, loss mask on the replies
+  sources   ShareGPT / OpenAI-style JSON and JSONL, parquet / Arrow / save_to_disk / hf: tables,
+            pre-tokenized rows, the packaged ShareGPT V3 (streamed), bad-record policy,
+            ``write_chat_jsonl`` / ``read_chat_jsonl``
+  chat      ``tokenize_conversation``: the target's chat template (tools too), loss mask on the replies
   packing   first-fit packing into ``[rows, max_length]`` with segment ids and positions
   splits    held-out conversations for evaluation (by seed, before any shuffle)
   pipeline  ``DataConfig``, ``make_train_iterator``, ``load_heldout_prompts``, ``to_global_batch``

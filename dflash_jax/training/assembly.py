@@ -332,9 +332,9 @@ def _existing_dir(path: str, key: str) -> Path:
 
 def check_data_sources(cfg: RunConfig) -> None:
     """The target and tokenizer directories and every configured data file exist (named by their
-    keys if not), and a ``data.features`` cache is readable (manifest, shard files), checked
+    keys if not; an ``hf:`` dataset must be in the local hub cache), and a ``data.features`` cache is readable (manifest, shard files), checked
     before any model is built."""
-    from dflash_jax.data.sources import resolve_source
+    from dflash_jax.data.sources import HF_PREFIX, open_table, resolve_source
 
     t = cfg.target
     # Named by their keys here: later, transformers' "Repo id must be in the form ..." names neither.
@@ -346,7 +346,9 @@ def check_data_sources(cfg: RunConfig) -> None:
             "or smollm2; unset: the target's directory)"
         )
     for source in cfg.data.sources:
-        resolve_source(source)
+        path, _ = resolve_source(source)
+        if path.startswith(HF_PREFIX):
+            open_table(path)  # in the local hub cache, or refused now (nothing is downloaded)
     if cfg.data.features and cfg.data.features != "auto":
         from dflash_jax.training.feature_cache import FeatureCache
 

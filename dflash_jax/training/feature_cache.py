@@ -126,9 +126,23 @@ def data_fingerprint(data_cfg) -> dict:
     if not out.get("validation_count") and not out.get("validation_fraction"):
         out.pop("validation_count", None)
         out.pop("validation_fraction", None)
-    paths = [Path(resolve_source(s)[0]) for s in data_cfg.sources]
-    out["sources"] = [f"{p.name}:{file_digest(p)}" for p in paths]
+    out["sources"] = [_source_digest(resolve_source(s)[0]) for s in data_cfg.sources]
     return out
+
+
+def _source_digest(path: str) -> str:
+    """``name:hash`` of a data source: a file's digest (as before tables existed), or of a table
+    directory's / hub dataset's files together."""
+    from dflash_jax.data.sources import source_files
+
+    files = source_files(path)
+    if files == [path]:
+        return f"{Path(path).name}:{file_digest(Path(path))}"
+    h = hashlib.sha256()
+    for f in files:
+        name = os.path.relpath(f, path) if os.path.isdir(path) else Path(f).name
+        h.update(f"{name}:{file_digest(Path(f))}\n".encode())
+    return f"{Path(path).name}:{h.hexdigest()[:16]}"
 
 
 def labels_identity(train_cfg) -> dict:
