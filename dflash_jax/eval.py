@@ -4,11 +4,11 @@
 
 The config is a run's (default ``demo``; a run directory reads the ``config.json`` its training
 saved): the target (``target.path``, ``target.tokenizer``), the dtypes it trained with
-(``target.dtype``, ``train.compute_dtype``), the thinking switch (``data.enable_thinking``) and the
-held-out prompts (``eval.split``: ``test``, the default, is ``eval.num_prompts`` prompts of the
-test set, the final figure; ``validation`` is ``eval.validation_prompts`` of the validation set,
-what recipe A/Bs and other choices are made on; each of at most ``eval.max_prompt_tokens`` tokens,
-answered with ``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
+(``target.dtype``, ``train.compute_dtype``, ``train.activation_dtype``), the thinking switch
+(``data.enable_thinking``) and the held-out prompts (``eval.split``: ``test``, the default, is
+``eval.num_prompts`` prompts of the test set, the final figure; ``validation`` is
+``eval.validation_prompts`` of the validation set, what recipe A/Bs and other choices are made on;
+each of at most ``eval.max_prompt_tokens`` tokens, answered with ``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
 (:class:`EvalOptions`): ``eval.drafter`` (default: the run directory) is one of our checkpoints
 (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF drafter directory (z-lab or
 speculators layout); ``eval.prompts=FILE`` replaces the held-out prompts by a JSONL of
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     import dflash_jax
     from dflash_jax.decoding.evaluation import PromptError, evaluate, format_summary, load_prompts
     from dflash_jax.decoding.sampling import SamplingConfig
+    from dflash_jax.dtypes import activation_dtype
     from dflash_jax.loading import load_drafter
     from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         target,
         step=opts.step,
         attention_impl=opts.attention_impl,
-        compute_dtype=cfg.train.compute_dtype,
+        compute_dtype=activation_dtype(cfg.train.activation_dtype, cfg.train.compute_dtype),
+        matmul_dtype=cfg.train.compute_dtype,
     )
     tok_holder: list = []
 

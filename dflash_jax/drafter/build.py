@@ -45,6 +45,7 @@ def build_drafter_config(
     target_config,
     *,
     compute_dtype: str = "float32",
+    activation_dtype: str = "float32",
     tokenizer=None,
     source: DrafterConfig | None = None,
     source_path: str | None = None,
@@ -53,10 +54,16 @@ def build_drafter_config(
     its fields over the warm-start ``source`` config (everything it defines is kept: taps and their
     order, mask token, layer types, window, in-block causality, embedding/logit scales, soft-cap),
     or over the defaults without one (the mask token then comes from ``tokenizer`` unless the
-    section sets it). ``compute_dtype`` (``train.compute_dtype``): the dtype of the matmul products
-    (fp32 weights and activations)."""
+    section sets it). ``compute_dtype`` (``train.compute_dtype``): the dtype of the matmul products;
+    ``activation_dtype`` (``train.activation_dtype`` resolved, ``dtypes.activation_dtype``): the
+    drafter's activations (its config's ``compute_dtype``). Weights are fp32 either way."""
     d = section
-    impl = dict(attention_impl=d.attention_impl, anchor_chunk=d.anchor_chunk, matmul_dtype=compute_dtype)
+    impl = dict(
+        attention_impl=d.attention_impl,
+        anchor_chunk=d.anchor_chunk,
+        matmul_dtype=compute_dtype,
+        compute_dtype=activation_dtype,
+    )
     if source is not None:
         extra = {}
         for name in SHAPE_FIELDS:
@@ -71,7 +78,7 @@ def build_drafter_config(
                 )
         source.check_target(target_config)
         # Training keeps fp32 master weights whatever precision the source was stored in.
-        return source.replace(**impl, **extra, param_dtype="float32", compute_dtype="float32")
+        return source.replace(**impl, **extra, param_dtype="float32")
     shape = {name: getattr(d, name) for name in SHAPE_FIELDS if getattr(d, name) is not None}
     for name, default in SHAPE_DEFAULTS.items():
         shape.setdefault(name, default)

@@ -114,9 +114,13 @@ class DrafterConfig:
     ``embedding_scale``/``logit_scale``/``logit_softcap`` mirror z-lab's ``input_embedding_scale``,
     ``output_multiplier`` and ``final_logit_softcapping``.
 
-    ``matmul_dtype``: the dtype the projections form their products in (summed in fp32;
-    ``layers.project``), None = ``compute_dtype``. Training sets it from ``train.compute_dtype``:
-    bfloat16 products over fp32 weights and activations.
+    Dtypes: ``param_dtype`` the weights' (training keeps them fp32, cast at use);
+    ``compute_dtype`` the activations' (hidden states, q/k/v, MLP; RMSNorm statistics, RoPE and
+    the attention's softmax statistics are fp32 whatever it is; training sets it from
+    ``train.activation_dtype``, bfloat16 by default only on GPUs); ``matmul_dtype`` the dtype the
+    projections form their products in (summed in fp32; ``layers.project``), None =
+    ``compute_dtype``; training sets it from ``train.compute_dtype``. bfloat16 activations are what
+    ``attention_impl: auto`` matches against a bfloat16 entry of ``validated.json``.
 
     ``draft_vocab_size`` (invariant 9): None drafts over the target's whole vocabulary; N drafts
     over N chosen rows of the target's frozen lm_head (which rows: the drafter's ``draft_vocab``

@@ -9,6 +9,11 @@ Two call modes share the layers:
 * ``forward_infer``: one block per row after a context K/V cache (``DrafterCache``), which grows
   by the newly accepted context and never keeps block entries (z-lab's crop-after-draft).
 
+Dtypes: parameters stay in ``param_dtype`` (fp32 in training) and are cast where they are used;
+the residual stream, q/k/v and MLP activations are ``compute_dtype`` (bfloat16 by default on GPUs
+in training); RMSNorm and RoPE compute in fp32 and return the activations' dtype, the attention
+merges its parts by fp32 log-sum-exps, and ``logits`` are fp32.
+
 Named dimensions: B batch, T context length, A anchors, S slots per block (block size),
 D hidden, F = K*D features, N/K query/kv heads, H head_dim, L layers, C cache capacity.
 """

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_jax.config_io import ConfigError
+from dflash_jax.dtypes import activation_dtype
 from dflash_jax.training.run_config import RunConfig, TargetSection
 
 log = logging.getLogger("dflash_jax.train")
@@ -129,6 +130,7 @@ def _parts(cfg: RunConfig, tc, target_dir, tok_dir, tokenizer, warm_start) -> Ru
         section,
         tc,
         compute_dtype=cfg.train.compute_dtype,
+        activation_dtype=activation_dtype(cfg.train.activation_dtype, cfg.train.compute_dtype),
         tokenizer=tokenizer,
         source=source,
         source_path=warm_start,

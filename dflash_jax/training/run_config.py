@@ -15,7 +15,7 @@ from typing import Literal
 from dflash_jax.config_io import ConfigError, apply_overrides, check_fields, from_dict, load_yaml, to_dict
 from dflash_jax.data.pipeline import DataConfig
 from dflash_jax.drafter.config import AttentionImpl, LayerType, require_attention_impl
-from dflash_jax.dtypes import ComputeDtype, DtypeName
+from dflash_jax.dtypes import ActivationDtype, ComputeDtype, DtypeName
 from dflash_jax.sharding import MeshConfig
 
 
@@ -137,9 +137,14 @@ class TrainSection:
     gamma: float | None = None  # decay only; default by block size: 16 -> 7, 10 -> 5, 8 -> 4
     dpace_alpha: float = 0.5  # dpace only: s_k = (1 - alpha) exp(-CE_k) + alpha
     loss_chunk: int = 1024  # at most this many slots (positions) per vocabulary-sized matmul; split evenly
-    compute_dtype: ComputeDtype = (
-        "float32"  # bfloat16: bf16 matmuls with fp32 accumulation, fp32 master weights
-    )
+    # The dtype the drafter's and its vocabulary head's products are formed in (fp32 accumulation,
+    # fp32 master weights and optimizer state either way)
+    compute_dtype: ComputeDtype = "float32"
+    # The drafter's activations (hidden states, q/k/v, MLP; RMSNorm and softmax statistics and the
+    # loss stay fp32). bfloat16 needs compute_dtype bfloat16; it is what the validated bf16 attention
+    # kernel takes (attention_impl auto). auto: bfloat16 on a GPU with bfloat16 products, else float32
+    # (on CPU bfloat16 products over float32 activations, dtypes.activation_dtype)
+    activation_dtype: ActivationDtype = "auto"
     feature_noise_std: float = 0.0  # noise on the drafter's input features only, never on labels
     # Slot k >= 2 trains only where the data's tokens a+1..a+k-1 are the target's own choices (the
     # labels of slots 1..k-1), the only states greedy decoding drafts it from (training/anchors.py)
@@ -183,6 +188,12 @@ class TrainSection:
             raise ValueError(f"train.max_update_ratio must be > 0, got {self.max_update_ratio}")
         if self.feature_noise_std < 0:
             raise ValueError("train.feature_noise_std must be >= 0")
+        if self.activation_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ValueError(
+                f"train.activation_dtype=bfloat16 needs train.compute_dtype=bfloat16 (got "
+                f"{self.compute_dtype!r}): bfloat16 activations go into bfloat16 products; set "
+                "train.activation_dtype=float32 (or auto) for float32 products"
+            )
         for name in ("time_limit_minutes", "run_minutes"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -7,6 +7,10 @@ drafter's input features may be noised, the hidden state that makes the labels n
 The step reads its settings straight from the run config's ``train`` section
 (:class:`~dflash_jax.training.run_config.TrainSection`); block size and target taps come from the
 drafter's own config.
+
+Precision: the drafter's parameters, gradients and optimizer state are float32; its activations
+are its config's ``compute_dtype`` (``train.activation_dtype``) and its products, the vocabulary
+head's included, ``train.compute_dtype``; logits, the loss and its normaliser are float32.
 """
 
 from __future__ import annotations
