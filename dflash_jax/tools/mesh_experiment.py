@@ -117,11 +117,37 @@ def run_experiment(
             data = apply_overrides(cfg.to_dict(), over)
             variants.append((" ".join(over), from_dict(RunConfig, data)))
     pool, card = plan.read_device_memory(devices if devices is not None else _jax_devices(), device_memory)
+
+    def one_row(name: str, c, lay: str) -> Row:
+        try:
+            spec = plan.spec_for_run(c, seq_len=seq_len, batch_rows=batch_rows, max_anchors=anchors)
+            compiled = plan.compile_layout(
+                spec, plan.parse_layout(lay), devices, for_measure=measure_steps > 0
+            )
+        except plan.LayoutError as e:
+            return Row(name, lay, None, error=str(e), status=IMPOSSIBLE)
+        except Exception as e:  # noqa: BLE001 - one layout's failure must not end the experiment
+            status = OUT_OF_MEMORY if _out_of_memory(e) else COMPILE_FAILED
+            return Row(name, lay, None, error=_reason(e), status=status)
+        p = compiled.plan
+        memory = plan.check_memory(p.peak_bytes, pool=pool, card=card)
+        est = estimate_seconds(p, peak_tflops, link_gbps)
+        row = Row(name, p.layout, p, estimated_seconds=est, fits=memory.fits, memory=memory)
+        if memory.fits is False:
+            return dataclasses.replace(row, status=DOES_NOT_FIT, error=memory.advice())
+        if measure_steps <= 0:
+            return row
+        try:
+            plan.measure_layout(compiled, measure_steps)
+        except Exception as e:  # noqa: BLE001 - as above; the plan's numbers stay in the row
+            status = OUT_OF_MEMORY if _out_of_memory(e) else RUN_FAILED
+            return dataclasses.replace(row, status=status, error=_reason(e))
+        return dataclasses.replace(row, status=MEASURED)
+
     rows: list[Row] = []
     jobs = [(name, c, lay) for name, c in variants for lay in layouts]
     for name, c, lay in tqdm(jobs, desc="layouts", unit="layout", disable=not progress):
-        rows.append(_one_row(plan, name, c, lay, devices, seq_len, batch_rows, anchors, measure_steps,
-                             pool, card, peak_tflops, link_gbps))  # fmt: skip
+        rows.append(one_row(name, c, lay))
         gc.collect()  # a failed run's arrays go with its traceback, before the next layout allocates
         if on_row is not None:
             on_row(rows)
@@ -132,34 +158,6 @@ def _jax_devices():
     import jax
 
     return jax.devices()
-
-
-def _one_row(plan, name, c, lay, devices, seq_len, batch_rows, anchors, measure_steps, pool, card,
-             peak_tflops, link_gbps) -> Row:  # fmt: skip
-    try:
-        spec = plan.spec_for_run(c, seq_len=seq_len, batch_rows=batch_rows, max_anchors=anchors)
-        compiled = plan.compile_layout(spec, plan.parse_layout(lay), devices, for_measure=measure_steps > 0)
-    except plan.LayoutError as e:
-        return Row(name, lay, None, error=str(e), status=IMPOSSIBLE)
-    except Exception as e:  # noqa: BLE001 - one layout's failure must not end the experiment
-        return Row(
-            name, lay, None, error=_reason(e), status=OUT_OF_MEMORY if _out_of_memory(e) else COMPILE_FAILED
-        )
-    p = compiled.plan
-    memory = plan.check_memory(p.peak_bytes, pool=pool, card=card)
-    row = Row(name, p.layout, p, estimated_seconds=estimate_seconds(p, peak_tflops, link_gbps),
-              fits=memory.fits, memory=memory)  # fmt: skip
-    if memory.fits is False:
-        return dataclasses.replace(row, status=DOES_NOT_FIT, error=memory.advice())
-    if measure_steps <= 0:
-        return row
-    try:
-        plan.measure_layout(compiled, measure_steps)
-    except Exception as e:  # noqa: BLE001 - as above; the plan's numbers stay in the row
-        return dataclasses.replace(
-            row, status=OUT_OF_MEMORY if _out_of_memory(e) else RUN_FAILED, error=_reason(e)
-        )
-    return dataclasses.replace(row, status=MEASURED)
 
 
 def best_row(rows: list[Row]) -> Row | None:

@@ -555,15 +555,14 @@ class MemoryCheck:
         return f"{self.variable}={self.fraction:.2f}"
 
     def limits_text(self) -> str:
-        parts = []
         if self.pool is not None:
             share = (
                 f", {self.pool / self.card:.0%} of the card's {human_bytes(self.card)}" if self.card else ""
             )
-            parts.append(f"jax's pool {human_bytes(self.pool)}{share}")
-        elif self.card is not None:
-            parts.append(f"device memory {human_bytes(self.card)}")
-        return "(" + "; ".join(parts) + ")" if parts else "(device memory unknown)"
+            return f"(jax's pool {human_bytes(self.pool)}{share})"
+        if self.card is not None:
+            return f"(device memory {human_bytes(self.card)})"
+        return "(device memory unknown)"
 
     def advice(self) -> str | None:
         """What to set or change, or None when nothing needs saying."""
