@@ -52,7 +52,7 @@ def test_a_pool_without_a_known_card_is_compared_and_names_the_variable():
 
 @pytest.mark.parametrize(
     "peak_gib,note",
-    [(50, None), (69.93, "XLA_CLIENT_MEM_FRACTION=0.93"), (79, "expect out-of-memory")],
+    [(50, None), (69.93, "XLA_CLIENT_MEM_FRACTION=0.93"), (79, "may run out of memory")],
 )
 def test_planning_for_a_card_says_what_its_pool_must_be(peak_gib, note):
     """CPU with --device-memory: no pool; the peak is compared with the card as before, and the

@@ -590,7 +590,7 @@ class MemoryCheck:
             if self.fraction > MAX_POOL_FRACTION:
                 return (
                     f"on a GPU of {human_bytes(self.card)} no pool jax can be given holds it with "
-                    f"headroom ({need}): expect out-of-memory failures at run time"
+                    f"headroom ({need}): it may run out of memory at run time"
                 )
             if self.fraction > DEFAULT_POOL_FRACTION:
                 return (
