@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--device-memory",
         default=None,
-        help="bytes per device for --plan and the pre-flight check, e.g. 80GB (default: what the devices report)",
+        help="the GPU's memory per device for --plan and the pre-flight check, e.g. 80GB (default: the "
+        "driver's); the step is checked against jax's pool (XLA_CLIENT_MEM_FRACTION of it) where the "
+        "devices report one, else against this",
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     distributed.add_arguments(p)

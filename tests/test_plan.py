@@ -120,6 +120,93 @@ def test_mesh_experiment_reduced_config_three_layouts(tmp_path, capsys):
     assert "best layout that fits:" in text and "| data=8 |" in text
 
 
+MX_ARGS = ["--config", "qwen3-8b", "--devices", "8", "--seq-len", "128", "--batch", "8", "--anchors", "8"]
+
+
+def test_mesh_experiment_records_a_failed_layout_and_goes_on(tmp_path, capsys, monkeypatch):
+    """One layout's compile runs out of device memory: its row says so, the others are planned,
+    and the table and CSV are written."""
+    real = plan.compile_layout
+
+    def compile_layout(spec, layout, devices=None, **kw):
+        if layout == MeshConfig.from_string("fsdp=8"):
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.20GiB.\nBufferAssignment: ..."
+            )
+        return real(spec, layout, devices, **kw)
+
+    monkeypatch.setattr(plan, "compile_layout", compile_layout)
+    out = tmp_path / "mx"
+    rc = mesh_experiment_main([*MX_ARGS, "--layouts", "data=8", "fsdp=8", "data=2,tensor=4", "--out", str(out),
+                               *TINY_OVERRIDES])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0
+    rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
+    assert list(rows) == ["data=8", "fsdp=8", "data=2,tensor=4"]
+    failed = rows["fsdp=8"]
+    assert failed["status"] == "out of memory" and failed["flops"] == ""
+    assert failed["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED") and "\n" not in failed["error"]
+    for name in ("data=8", "data=2,tensor=4"):
+        assert rows[name]["status"] == "planned" and float(rows[name]["flops"]) > 0
+    assert "| fsdp=8 | out of memory: JaxRuntimeError: RESOURCE_EXHAUSTED" in text
+    assert "best layout that fits:" in text and (out / "layouts.png").exists()
+
+
+def test_mesh_experiment_measures_only_layouts_that_fit(tmp_path, capsys, monkeypatch):
+    """With --measure, a layout over the memory is not run, a run that raises is recorded with
+    its plan's numbers, and the one measured is named the best."""
+    measured = []
+
+    def measure_layout(c, steps):
+        measured.append(c.plan.layout)
+        if c.plan.layout == "fsdp=4,tensor=2":
+            raise RuntimeError("INTERNAL: the run broke")
+        c.plan.step_seconds, c.plan.tokens_per_second = 0.5, 2048.0
+        return c.plan
+
+    monkeypatch.setattr(plan, "measure_layout", measure_layout)
+    out = tmp_path / "mx"
+    rc = mesh_experiment_main([*MX_ARGS, "--layouts", "data=8", "fsdp=8", "fsdp=4,tensor=2", "--measure", "1",
+                               "--device-memory", "9MB", "--out", str(out), *TINY_OVERRIDES])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0
+    rows = {r["layout"]: r for r in csv.DictReader(open(out / "layouts.csv"))}
+    assert sorted(measured) == sorted(k for k, r in rows.items() if r["fits"] == "True")
+    assert rows["data=8"]["fits"] == "False" and rows["data=8"]["status"] == "does not fit"
+    # 9 MB holds a step with the target's weights sharded (about 7 MB), not replicated (about 11 MB).
+    assert "data=8" not in measured and "fsdp=4,tensor=2" in measured
+    broke = rows["fsdp=4,tensor=2"]
+    assert broke["status"] == "run failed" and "the run broke" in broke["error"]
+    assert float(broke["flops"]) > 0 and broke["step_seconds"] == ""
+    assert rows["fsdp=8"]["status"] == "measured" and float(rows["fsdp=8"]["step_seconds"]) == 0.5
+    assert "best layout that fits: fsdp=8" in text and "measured 0.500 s/step" in text
+
+
+def test_preflight_tells_the_pool_setting_when_the_card_would_hold_the_step(capsys, monkeypatch):
+    """GPU numbers injected into a CPU plan: over jax's pool but within the card -> exit 3 with the
+    XLA_CLIENT_MEM_FRACTION that fits; within the pool -> the plan passes as before."""
+    from dflash_jax.train import main as train_main
+
+    for name in (plan.FRACTION_VARIABLE, plan.DEPRECATED_FRACTION_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    args = ["--config", "qwen3-8b", "--plan", *TINY_OVERRIDES, "mesh=data=2,tensor=4", "data.max_length=64",
+            "data.batch_size=4", "train.max_anchors=4"]  # fmt: skip
+    card = 8 * 2**30
+    monkeypatch.setattr(plan, "physical_memory", lambda devices: card)
+    monkeypatch.setattr(plan, "device_memory_limit", lambda devices: 2**20)  # 1 MiB: below the step
+    assert train_main(args) == 3
+    err = capsys.readouterr().err
+    assert "jax's pool has 0.00 GiB" in err
+    setting = next(w for w in err.replace("`", " ").split() if w.startswith("XLA_CLIENT_MEM_FRACTION="))
+    fraction = float(setting.split("=")[1])
+    assert 0 < fraction <= plan.MAX_POOL_FRACTION and fraction * card >= plan.POOL_HEADROOM_MIN
+
+    monkeypatch.setattr(plan, "device_memory_limit", lambda devices: 4 * 2**30)
+    assert train_main(args) == 0
+    out = capsys.readouterr().out
+    assert "jax's pool 4.00 GiB, 50% of the card's 8.00 GiB" in out
+
+
 def test_train_plan_on_the_default_config(capsys):
     """``train --plan`` on the embedded default: the run's own parts (SmolLM2 from its config.json,
     the draft vocabulary, cached features) planned on abstract weights."""

@@ -8,9 +8,15 @@ parameters (``dflash_jax.tools.plan``) and reports per device: parameter bytes (
 optimizer bytes, the train step's temporaries and peak, the target forward's temporaries, matmul
 FLOPs, the collectives in the HLO (kind, count, bytes per step), and, with ``--measure N``, the
 measured step time and tokens/s on the devices. A markdown table goes to stdout; ``layouts.csv``
-and ``layouts.png`` go to ``--out``. Layouts over ``--device-memory`` are flagged and the best
-layout that fits is named: the fastest measured one, else the lowest estimated step time
-(FLOPs / ``--peak-tflops`` + collective bytes / ``--link-gbps``; a rough model, not a measurement).
+(rewritten after every layout) and ``layouts.png`` go to ``--out``. Each layout's peak is checked
+as the pre-flight checks a run: against jax's memory pool where the devices report it (GPUs), else
+against ``--device-memory`` (the card); a layout over it is flagged, with the
+``XLA_CLIENT_MEM_FRACTION`` that would fit it where the card could, and is not measured. Every
+layout gets a row with its status (planned, measured, does not fit, impossible, compile failed,
+run failed, out of memory) and the reason of a failure: one failing layout does not end the
+experiment. The best layout that fits is named: the fastest measured one, else the lowest
+estimated step time (FLOPs / ``--peak-tflops`` + collective bytes / ``--link-gbps``; a rough model,
+not a measurement).
 
 ``--devices N`` on a host without N accelerators simulates N CPU devices (set before jax starts);
 ``--cpu`` forces that on an accelerator host. CPU compiles give CPU buffer assignments: a plan, not
@@ -21,26 +27,53 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_jax.cli import UserError, check_output_free, cli
+
+# A row's status: what became of its (variant, layout).
+PLANNED = "planned"  # compiled; not measured (no --measure)
+MEASURED = "measured"
+DOES_NOT_FIT = "does not fit"  # compiled, over the memory: not run
+IMPOSSIBLE = "impossible"  # the layout cannot shard this model (LayoutError)
+COMPILE_FAILED = "compile failed"
+RUN_FAILED = "run failed"
+OUT_OF_MEMORY = "out of memory"  # the compile or the measured run ran out of device memory
+# Rows that may be named the best layout.
+USABLE = (PLANNED, MEASURED)
 
 
 @dataclass(frozen=True)
 class Row:
     variant: str
     layout: str
-    plan: object  # plan.LayoutPlan, or None when the layout is impossible
-    error: str | None = None
+    plan: object  # plan.LayoutPlan, or None when the layout is impossible or did not compile
+    error: str | None = None  # the reason of a failed or refused row (one line)
     estimated_seconds: float | None = None
     fits: bool | None = None
+    status: str = PLANNED
+    memory: object = None  # plan.MemoryCheck, when the plan compiled
 
 
 def estimate_seconds(p, peak_tflops: float, link_gbps: float) -> float:
     return p.flops / (peak_tflops * 1e12) + p.collective_bytes / (link_gbps * 1e9)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _reason(e: BaseException, limit: int = 300) -> str:
+    """An exception as one table cell: its type and first line, cut short (XLA's are long)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def run_experiment(
@@ -57,8 +90,18 @@ def run_experiment(
     peak_tflops: float = 989.0,
     link_gbps: float = 450.0,
     progress: bool = True,
+    on_row: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """Plan every (variant, layout); impossible layouts become rows carrying their error."""
+    """Plan every (variant, layout); each becomes a row, whatever befalls it.
+
+    An impossible layout, a compile that raises (out of memory included) or a measured run that
+    raises is recorded with its status and reason, and the experiment goes on. The plan's peak is
+    checked as the pre-flight checks a run (``plan.check_memory``: jax's pool where the devices
+    report it, else ``device_memory``, the card); with ``measure_steps`` only rows that fit are run.
+    ``on_row(rows)`` is called after every row (the CLI rewrites its CSV, so a crash keeps the
+    rows done)."""
+    import gc
+
     from tqdm import tqdm
 
     from dflash_jax.config_io import apply_overrides, from_dict
@@ -73,23 +116,52 @@ def run_experiment(
             over = [f"{k}={v}" for k, v in zip(keys, values, strict=True)]
             data = apply_overrides(cfg.to_dict(), over)
             variants.append((" ".join(over), from_dict(RunConfig, data)))
-    rows = []
+    pool, card = plan.read_device_memory(devices if devices is not None else _jax_devices(), device_memory)
+
+    def one_row(name: str, c, lay: str) -> Row:
+        try:
+            spec = plan.spec_for_run(c, seq_len=seq_len, batch_rows=batch_rows, max_anchors=anchors)
+            compiled = plan.compile_layout(
+                spec, plan.parse_layout(lay), devices, for_measure=measure_steps > 0
+            )
+        except plan.LayoutError as e:
+            return Row(name, lay, None, error=str(e), status=IMPOSSIBLE)
+        except Exception as e:  # noqa: BLE001 - one layout's failure must not end the experiment
+            status = OUT_OF_MEMORY if _out_of_memory(e) else COMPILE_FAILED
+            return Row(name, lay, None, error=_reason(e), status=status)
+        p = compiled.plan
+        memory = plan.check_memory(p.peak_bytes, pool=pool, card=card)
+        est = estimate_seconds(p, peak_tflops, link_gbps)
+        row = Row(name, p.layout, p, estimated_seconds=est, fits=memory.fits, memory=memory)
+        if memory.fits is False:
+            return dataclasses.replace(row, status=DOES_NOT_FIT, error=memory.advice())
+        if measure_steps <= 0:
+            return row
+        try:
+            plan.measure_layout(compiled, measure_steps)
+        except Exception as e:  # noqa: BLE001 - as above; the plan's numbers stay in the row
+            status = OUT_OF_MEMORY if _out_of_memory(e) else RUN_FAILED
+            return dataclasses.replace(row, status=status, error=_reason(e))
+        return dataclasses.replace(row, status=MEASURED)
+
+    rows: list[Row] = []
     jobs = [(name, c, lay) for name, c in variants for lay in layouts]
     for name, c, lay in tqdm(jobs, desc="layouts", unit="layout", disable=not progress):
-        spec = plan.spec_for_run(c, seq_len=seq_len, batch_rows=batch_rows, max_anchors=anchors)
-        try:
-            p = plan.plan_layout(spec, plan.parse_layout(lay), devices, measure_steps=measure_steps)
-        except plan.LayoutError as e:
-            rows.append(Row(name, lay, None, error=str(e)))
-            continue
-        est = estimate_seconds(p, peak_tflops, link_gbps)
-        fits = None if device_memory is None else p.peak_bytes <= device_memory
-        rows.append(Row(name, p.layout, p, estimated_seconds=est, fits=fits))
+        rows.append(one_row(name, c, lay))
+        gc.collect()  # a failed run's arrays go with its traceback, before the next layout allocates
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
+def _jax_devices():
+    import jax
+
+    return jax.devices()
+
+
 def best_row(rows: list[Row]) -> Row | None:
-    ok = [r for r in rows if r.plan is not None and r.fits is not False]
+    ok = [r for r in rows if r.plan is not None and r.status in USABLE and r.fits is not False]
     if not ok:
         return None
     if all(r.plan.step_seconds is not None for r in ok):
@@ -101,16 +173,43 @@ def _gib(n) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def _memory_note(memory) -> str:
+    """The pool a row needs, where that is news: over jax's pool but within the card, or planned
+    for a card (``--device-memory`` on CPU) above jax's default pool of it."""
+    from dflash_jax.tools import plan
+
+    if memory is None or memory.fraction is None:
+        return ""
+    if memory.status == "needs a larger pool":
+        return f"set {memory.setting()}"
+    if memory.fits and memory.pool is None:
+        if memory.fraction > plan.MAX_POOL_FRACTION:
+            return "no headroom on the GPU"
+        if memory.fraction > plan.DEFAULT_POOL_FRACTION:
+            return f"on the GPU: {memory.setting()}"
+    return ""
+
+
+def status_text(r: Row) -> str:
+    """A row's status cell: the status, the reason of a failure, the pool it needs."""
+    text = r.status
+    if r.error and r.status not in (DOES_NOT_FIT, IMPOSSIBLE):
+        text += f": {r.error}"
+    note = _memory_note(r.memory)
+    return text + (f"; {note}" if note else "")
+
+
 def markdown_table(rows: list[Row], device_memory: int | None = None) -> str:
     head = [
         "variant", "layout", "dev", "target params GiB", "drafter params GiB", "optimizer GiB",
         "step temp GiB", "step peak GiB", "target fwd temp GiB", "TFLOP/dev", "collectives / step",
-        "est. s", "meas. s", "tok/s", "fits",
+        "est. s", "meas. s", "tok/s", "fits", "status",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.plan is None:
-            lines.append(f"| {r.variant} | {r.layout} | impossible: {r.error} |" + " |" * (len(head) - 3))
+            cell = f"{r.status}: {r.error}".replace("|", "/")
+            lines.append(f"| {r.variant} | {r.layout} | {cell} |" + " |" * (len(head) - 3))
             continue
         p = r.plan
         fits = "" if r.fits is None else ("yes" if r.fits else "**NO**")
@@ -120,6 +219,7 @@ def markdown_table(rows: list[Row], device_memory: int | None = None) -> str:
             r.variant, p.layout, str(p.devices), _gib(p.target_param_bytes), _gib(p.drafter_param_bytes),
             _gib(p.optimizer_bytes), _gib(p.train_temp_bytes), _gib(p.peak_bytes), _gib(p.target_temp_bytes),
             f"{p.flops / 1e12:.1f}", p.collectives_summary(), f"{r.estimated_seconds:.3f}", meas, tps, fits,
+            status_text(r).replace("|", "/"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -131,7 +231,8 @@ def write_csv(rows: list[Row], path: Path) -> Path:
         "train_argument_bytes", "train_output_bytes", "train_alias_bytes", "train_temp_bytes",
         "peak_bytes", "target_temp_bytes", "flops", "collective_bytes", "collectives",
         "unknown_trip_loops", "compile_seconds", "estimated_seconds", "step_seconds",
-        "tokens_per_second", "fits", "error",
+        "tokens_per_second", "fits", "status", "pool_bytes", "card_bytes", "pool_fraction_needed",
+        "error",
     ]  # fmt: skip
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -142,7 +243,15 @@ def write_csv(rows: list[Row], path: Path) -> Path:
                 "layout": r.layout,
                 "error": r.error or "",
                 "fits": "" if r.fits is None else r.fits,
+                "status": r.status,
             }
+            if r.memory is not None:
+                m = r.memory
+                rec.update(
+                    pool_bytes="" if m.pool is None else m.pool,
+                    card_bytes="" if m.card is None else m.card,
+                    pool_fraction_needed="" if m.fraction is None else m.fraction,
+                )
             if r.plan is not None:
                 p = r.plan
                 rec.update({k: getattr(p, k) for k in fields if hasattr(p, k)})
@@ -174,7 +283,11 @@ def plot(rows: list[Row], path: Path, device_memory: int | None = None) -> Path:
         vals = [max(get(r.plan), 0) / 2**30 for r in ok]
         ax.bar(labels, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    if device_memory:
+    memory = next((r.memory for r in ok if r.memory is not None and r.memory.limit), None)
+    if memory is not None:
+        label = "jax's pool" if memory.pool is not None else "device memory"
+        ax.axhline(memory.limit / 2**30, color="red", linestyle="--", label=label)
+    elif device_memory:
         ax.axhline(device_memory / 2**30, color="red", linestyle="--", label="device memory")
     ax.set_ylabel("GiB per device (train step peak)")
     ax.set_title("Per-device memory by mesh layout")
@@ -211,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="T (default: data.max_length)")
     p.add_argument("--batch", type=int, default=None, help="global packed rows R (default: data.batch_size)")
     p.add_argument("--anchors", type=int, default=None, help="anchors per row (default: train.max_anchors)")
-    p.add_argument("--device-memory", default=None, help="flag layouts above this, e.g. 80GB or 80GiB")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="the card's memory per device, e.g. 80GB or 80GiB: layouts above it are flagged where the "
+        "devices report no pool (CPU), and the pool each one needs is named (default: the GPU driver's)",
+    )
     p.add_argument("--measure", type=int, default=0, metavar="STEPS", help="time STEPS real steps per layout")
     p.add_argument("--sweep", nargs="*", default=[], help="config variants, e.g. train.micro_batches=1,2")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for the estimate (H100 bf16 dense)")
@@ -251,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         devices = devices[: args.devices]
     memory = parse_bytes(args.device_memory) if args.device_memory else None
+    out.mkdir(parents=True, exist_ok=True)
     rows = run_experiment(
         cfg,
         args.layouts,
@@ -263,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep=_parse_sweep(args.sweep),
         peak_tflops=args.peak_tflops,
         link_gbps=args.link_gbps,
+        on_row=lambda done: write_csv(done, out / "layouts.csv"),  # a crash keeps the rows done
     )
-    out.mkdir(parents=True, exist_ok=True)
     spec_line = (
         f"config {args.config}, {len(devices)} {devices[0].platform} devices, "
         f"T={args.seq_len or cfg.data.max_length}, rows={args.batch or cfg.data.batch_size}, "
@@ -278,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     best = best_row(rows)
     if best is None:
         print("\nno layout fits" + (f" in {args.device_memory} per device" if memory else ""))
+        needs = [r for r in rows if r.memory is not None and r.memory.status == "needs a larger pool"]
+        if needs:
+            best_pool = min(needs, key=lambda r: r.memory.fraction)
+            print(f"{best_pool.layout} would fit a larger jax pool: {best_pool.memory.advice()}")
     else:
         how = "measured" if best.plan.step_seconds is not None else "estimated"
         print(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -276,14 +277,23 @@ def lower_train_step(spec: PlanSpec, d_graph, d_state, t_graph, t_state, batch, 
     return step.lower(d_state, t_state, batch, key, jax.ShapeDtypeStruct((), jnp.float32))
 
 
-def plan_layout(
-    spec: PlanSpec,
-    layout: MeshConfig,
-    devices=None,
-    *,
-    measure_steps: int = 0,
-) -> LayoutPlan:
-    """AOT-compile the target forward and the full train step for one layout; optionally time it."""
+@dataclass
+class CompiledLayout:
+    """One layout's compiled train step and what measuring it needs (abstract states, mesh)."""
+
+    plan: LayoutPlan
+    spec: PlanSpec
+    mesh: Mesh
+    compiled: object
+    target_state: object
+    drafter_state: object
+
+
+def compile_layout(
+    spec: PlanSpec, layout: MeshConfig, devices=None, *, for_measure: bool = False
+) -> CompiledLayout:
+    """AOT-compile the target forward and the full train step for one layout; nothing allocated.
+    ``for_measure``: compile the step to run it (on CPU, fully optimised) rather than only to plan."""
     devices = list(devices) if devices is not None else jax.devices()
     data, fsdp, tensor = check_layout(layout, spec, len(devices))
     n = data * fsdp * tensor
@@ -297,7 +307,7 @@ def plan_layout(
         key = abstract_key(mesh)
 
         cpu = _cpu(devices)
-        opts = _cpu_compiler_options(plan_only=not measure_steps) if cpu else None
+        opts = _cpu_compiler_options(plan_only=not for_measure) if cpu else None
         fwd_opts = _cpu_compiler_options(plan_only=True, hoist_invariants=False) if cpu else None
         layer_ids = tuple(spec.drafter_config.target_layer_ids)
         fwd = None  # a run from the feature cache never runs the target forward
@@ -327,10 +337,26 @@ def plan_layout(
         compile_seconds=compile_s,
         cached_features=spec.cached_features,
     )
-    if measure_steps > 0:
-        plan.step_seconds = _measure(compiled, spec, mesh, t_state, d_state, measure_steps)
-        plan.tokens_per_second = spec.batch_rows * spec.seq_len / plan.step_seconds
-    return plan
+    return CompiledLayout(plan, spec, mesh, compiled, t_state, d_state)
+
+
+def measure_layout(c: CompiledLayout, steps: int) -> LayoutPlan:
+    """Run a compiled layout ``steps`` times on random weights; its plan gains the median step time."""
+    c.plan.step_seconds = _measure(c.compiled, c.spec, c.mesh, c.target_state, c.drafter_state, steps)
+    c.plan.tokens_per_second = c.spec.batch_rows * c.spec.seq_len / c.plan.step_seconds
+    return c.plan
+
+
+def plan_layout(
+    spec: PlanSpec,
+    layout: MeshConfig,
+    devices=None,
+    *,
+    measure_steps: int = 0,
+) -> LayoutPlan:
+    """AOT-compile the target forward and the full train step for one layout; optionally time it."""
+    c = compile_layout(spec, layout, devices, for_measure=measure_steps > 0)
+    return measure_layout(c, measure_steps) if measure_steps > 0 else c.plan
 
 
 def _params_only(state):
@@ -456,59 +482,239 @@ class PlanDoesNotFit(RuntimeError):
     """The run's own layout needs more memory per device than its devices have."""
 
 
-def device_memory_limit(devices) -> int | None:
-    """Bytes XLA may use on one device (accelerators report it; CPU devices do not)."""
-    try:
-        stats = devices[0].memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
+# --------------------------------------------------------------------------------------------
+# device memory: jax's pool and the card
+# --------------------------------------------------------------------------------------------
+
+# On a GPU jax preallocates this fraction of the card as its memory pool unless
+# XLA_CLIENT_MEM_FRACTION (formerly XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise.
+DEFAULT_POOL_FRACTION = 0.75
+# Judgement, not measurement: a step planned at the pool's edge can still fail on fragmentation,
+# so the advised pool holds the peak plus this margin; and the card keeps memory outside the pool
+# (the CUDA context, loaded kernels, communication buffers), so no pool above this is advised.
+POOL_HEADROOM = 0.05  # of the step's peak, and at least POOL_HEADROOM_MIN
+POOL_HEADROOM_MIN = 2**30
+MAX_POOL_FRACTION = 0.97
+FRACTION_VARIABLE = "XLA_CLIENT_MEM_FRACTION"
+DEPRECATED_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def memory_fraction_variable(env=None) -> str:
+    """The variable to advise: the deprecated name where the user already sets it (jax refuses
+    both at once), else the current one."""
+    env = os.environ if env is None else env
+    if env.get(DEPRECATED_FRACTION_VARIABLE) and not env.get(FRACTION_VARIABLE):
+        return DEPRECATED_FRACTION_VARIABLE
+    return FRACTION_VARIABLE
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """A step's per-device peak against jax's pool (``bytes_limit``, what XLA may allocate) and the
+    card's memory. The peak is compared with the pool where it is known, else with the card; when
+    it exceeds the pool but a larger pool on the same card would hold it, ``advice`` names the
+    variable and value to set."""
+
+    peak: int
+    pool: int | None  # None: not reported (CPU devices, the platform allocator)
+    card: int | None  # None: unknown (CPU without --device-memory)
+    variable: str = FRACTION_VARIABLE
+
+    @property
+    def limit(self) -> int | None:
+        return self.pool if self.pool is not None else self.card
+
+    @property
+    def fits(self) -> bool | None:
+        """None when no limit is known: nothing is refused."""
+        return None if self.limit is None else self.peak <= self.limit
+
+    @property
+    def headroom(self) -> int:
+        return max(math.ceil(POOL_HEADROOM * self.peak), POOL_HEADROOM_MIN)
+
+    @property
+    def fraction(self) -> float | None:
+        """The pool, as a fraction of the card rounded up to 0.01, that holds the peak with headroom."""
+        if not self.card:
+            return None
+        return math.ceil(100 * (self.peak + self.headroom) / self.card - 1e-9) / 100
+
+    @property
+    def status(self) -> str:
+        """'unknown', 'fits', 'needs a larger pool' (the card would hold it) or 'does not fit'."""
+        if self.fits is None:
+            return "unknown"
+        if self.fits:
+            return "fits"
+        if self.pool is not None and self.fraction is not None and self.fraction <= MAX_POOL_FRACTION:
+            return "needs a larger pool"
+        return "does not fit"
+
+    def setting(self) -> str:
+        return f"{self.variable}={self.fraction:.2f}"
+
+    def limits_text(self) -> str:
+        if self.pool is not None:
+            share = (
+                f", {self.pool / self.card:.0%} of the card's {human_bytes(self.card)}" if self.card else ""
+            )
+            return f"(jax's pool {human_bytes(self.pool)}{share})"
+        if self.card is not None:
+            return f"(device memory {human_bytes(self.card)})"
+        return "(device memory unknown)"
+
+    def advice(self) -> str | None:
+        """What to set or change, or None when nothing needs saying."""
+        need = f"the step needs {human_bytes(self.peak)} + {human_bytes(self.headroom)} headroom"
+        status = self.status
+        if status == "needs a larger pool":
+            return (
+                f"the card would hold it with a larger pool: set {self.setting()} before jax starts, "
+                f"e.g. `{self.setting()} python -m dflash_jax.train ...` ({need}; BUILD.md, GPU memory)"
+            )
+        if status == "does not fit":
+            if self.pool is not None and self.card is None:
+                return (
+                    f"if the card has more memory than the pool, raise the pool with {self.variable} "
+                    "(BUILD.md, GPU memory); else change the layout, train.micro_batches or train.remat"
+                )
+            if self.pool is not None:
+                return (
+                    f"even a pool of {MAX_POOL_FRACTION:.0%} of the card is too small ({need}): "
+                    "change the layout, train.micro_batches or train.remat"
+                )
+            return None
+        if status == "fits" and self.pool is None and self.card is not None:
+            # Planned for a card (--device-memory): say what its pool must be on a GPU.
+            if self.fraction > MAX_POOL_FRACTION:
+                return (
+                    f"on a GPU of {human_bytes(self.card)} no pool jax can be given holds it with "
+                    f"headroom ({need}): it may run out of memory at run time"
+                )
+            if self.fraction > DEFAULT_POOL_FRACTION:
+                return (
+                    f"on a GPU of {human_bytes(self.card)} jax's default pool "
+                    f"({DEFAULT_POOL_FRACTION:.0%}) is too small: run it with {self.setting()} ({need})"
+                )
         return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def describe(plan: LayoutPlan, device_memory: int | None) -> str:
+def check_memory(peak: int, *, pool: int | None, card: int | None, env=None) -> MemoryCheck:
+    """The pure decision of the pre-flight and of ``mesh_experiment``'s ``fits`` (numbers injected)."""
+    return MemoryCheck(int(peak), pool, card, memory_fraction_variable(env))
+
+
+def _local(devices) -> list:
+    """The devices this process can query (a multi-host mesh lists every host's)."""
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    return mine or list(devices)
+
+
+def device_memory_limit(devices) -> int | None:
+    """jax's pool on one device: the bytes XLA may allocate (``memory_stats()["bytes_limit"]``),
+    the smallest over this process's devices; None where devices do not report it (CPU)."""
+    limits = []
+    for d in _local(devices):
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without memory stats
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def _cuda_total_memory(ordinal: int) -> int | None:
+    """The card's memory from the CUDA driver (``cuDeviceTotalMem``), which numbers devices as jax's
+    ``local_hardware_id`` does (both after CUDA_VISIBLE_DEVICES)."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, total = ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0:
+        return None
+    return int(total.value)
+
+
+def physical_memory(devices) -> int | None:
+    """The card's memory per device (the smallest over this process's devices) on NVIDIA GPUs;
+    None elsewhere or when the driver cannot be asked."""
+    totals = []
+    for d in _local(devices):
+        if d.platform != "gpu":  # an AMD GPU has no libcuda either: the card stays unknown
+            return None
+        try:
+            total = _cuda_total_memory(int(d.local_hardware_id))
+        except Exception:  # noqa: BLE001 - an unusual driver: the card stays unknown
+            return None
+        if total is None:
+            return None
+        totals.append(total)
+    return min(totals) if totals else None
+
+
+def read_device_memory(devices, card: int | None = None) -> tuple[int | None, int | None]:
+    """(pool, card) of the devices; ``card`` (``--device-memory``) replaces the driver's figure."""
+    return device_memory_limit(devices), card if card is not None else physical_memory(devices)
+
+
+def describe(plan: LayoutPlan, memory: MemoryCheck | None = None) -> str:
+    advice = memory.advice() if memory is not None else None
     lines = [
         f"plan for layout {plan.layout} on {plan.devices} devices (per device):",
         f"  target params   {human_bytes(plan.target_param_bytes)}",
         f"  drafter params  {human_bytes(plan.drafter_param_bytes)}",
         f"  optimizer       {human_bytes(plan.optimizer_bytes)}",
         f"  step temporaries {human_bytes(plan.train_temp_bytes)}",
-        f"  step peak       {human_bytes(plan.peak_bytes)}"
-        + (
-            f"  (device memory {human_bytes(device_memory)})"
-            if device_memory
-            else "  (device memory unknown)"
-        ),
+        f"  step peak       {human_bytes(plan.peak_bytes)}  "
+        + (memory.limits_text() if memory is not None else "(device memory unknown)"),
         f"  target forward temporaries {human_bytes(plan.target_temp_bytes)}"
         + ("  (none: features from the cache)" if plan.cached_features else ""),
         f"  matmul TFLOP/step {plan.flops / 1e12:.2f}; collectives: {plan.collectives_summary()}",
     ]
+    if advice and memory.fits:
+        lines.append(f"  note: {advice}")
     return "\n".join(lines)
 
 
 def preflight(cfg, devices, *, parts=None, device_memory: int | None = None) -> tuple[LayoutPlan, str]:
     """Plan the run's own config and mesh before any weight is read (of ``parts``, the run's
-    resolved parts, else of the config's abstract parts); raise PlanDoesNotFit (with the numbers)
-    when the step's per-device peak exceeds ``device_memory`` (default: what the devices report;
-    unknown on CPU, where nothing is refused)."""
+    resolved parts, else of the config's abstract parts); raise PlanDoesNotFit (with the numbers,
+    and the pool setting that would fit it where the card could hold it) when the step's per-device
+    peak exceeds jax's pool (``bytes_limit``), or, where the devices report none (CPU), the card's
+    memory ``device_memory``. With neither known nothing is refused."""
     spec = spec_for_run(cfg, parts=parts)
     p = plan_layout(spec, cfg.mesh, devices)
-    limit = device_memory if device_memory is not None else device_memory_limit(devices)
-    text = describe(p, limit)
-    if limit is not None and p.peak_bytes > limit:
+    pool, card = read_device_memory(devices, device_memory)
+    memory = check_memory(p.peak_bytes, pool=pool, card=card)
+    text = describe(p, memory)
+    if memory.fits is False:
+        what = "jax's pool" if memory.pool is not None else "the devices"
+        advice = memory.advice() or (
+            "try python -m dflash_jax.mesh_experiment --config ... --layouts ... "
+            "(other layouts, train.micro_batches, train.remat) before loading the target"
+        )
         raise PlanDoesNotFit(
-            f"{text}\nthe train step needs {human_bytes(p.peak_bytes)} per device but the devices have "
-            f"{human_bytes(limit)}: try python -m dflash_jax.mesh_experiment --config ... --layouts ... "
-            f"(other layouts, train.micro_batches, train.remat) before loading the target"
+            f"{text}\nthe train step needs {human_bytes(p.peak_bytes)} per device but {what} "
+            f"has {human_bytes(memory.limit)}: {advice}"
         )
     return p, text
 
 
 def check_run_fits(cfg, parts, mesh, device_memory: int | None = None, *, quiet=False):
     """Pre-flight: AOT-compile this run's step (of its resolved ``parts``) on abstract weights and
-    refuse a run that cannot fit, before the target is loaded. Runs when the devices report their
-    memory (accelerators) or when ``device_memory`` is given; CPU runs without it skip the compile."""
+    refuse a run that cannot fit, before the target is loaded (``preflight``). Runs when the devices
+    report their pool or card (GPUs) or when ``device_memory`` is given; CPU runs without it skip
+    the compile."""
     devices = list(mesh.devices.flat)
-    if device_memory is None and device_memory_limit(devices) is None:
+    if device_memory is None and device_memory_limit(devices) is None and physical_memory(devices) is None:
         return None
     p, text = preflight(cfg, devices, parts=parts, device_memory=device_memory)
     if not quiet:

@@ -51,10 +51,11 @@ def run(
 
     ``preflight(cfg, parts, mesh, device_memory, quiet=...)`` runs before the target loads, on the
     parts the run resolved (the entry point passes ``dflash_jax.tools.plan.check_run_fits``: the
-    training package imports no tool); it refuses a run whose step cannot fit ``device_memory`` bytes per device (default:
-    what the devices report).
-    ``resume="auto"`` resumes when ``output_dir`` holds a checkpoint and starts afresh otherwise
-    (``run_dir.resume_auto``). ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
+    training package imports no tool); it refuses a run whose step cannot fit jax's memory pool on
+    the devices, or ``device_memory`` (the card's bytes per device) where they report none, and
+    names the pool setting that would fit it. ``resume="auto"`` resumes when ``output_dir`` holds a
+    checkpoint and starts afresh otherwise (``run_dir.resume_auto``).
+    ``resume_step`` resumes from that checkpoint instead of the latest (the later ones are moved
     aside, not deleted: ``run_dir.set_aside_checkpoints``). ``stop_at_step`` ends this invocation
     early, exactly like a preemption (checkpoint, exit), so a later ``resume=True`` run continues
     the same schedule. Before any model is built the data sources are found, the output dir is
