@@ -368,6 +368,7 @@ def evaluate_conversations(
     *,
     tokenizer=None,
     enable_thinking: bool | None = None,
+    seed: int = 0,
     **evaluate_kwargs,
 ) -> dict:
     """Speculative decoding of ``load_prompts`` records (``{"id", "input_ids"}`` or ``{"id",
@@ -379,15 +380,16 @@ def evaluate_conversations(
     turns; ``evaluate_kwargs`` go to :func:`evaluate` for every turn.
     """
     records = list(records)
+    if not records:
+        raise PromptError("no prompts to evaluate")
     if any("turns" in r for r in records) and tokenizer is None:
         first = next(r["id"] for r in records if "turns" in r)
         raise PromptError(f"prompt {first!r}: text turns need a tokenizer (target.tokenizer)")
     history: list[list[dict]] = [[] for _ in records]
     turn_rows: dict[tuple[int, int], dict] = {}  # (record index, turn) -> row
-    seconds, baseline_seconds, summary = 0.0, 0.0, None
+    seconds, baseline_seconds = 0.0, 0.0
     turns_of_record = [len(r["turns"]) if "turns" in r else 1 for r in records]
     n_turns = max(turns_of_record, default=0)
-    seed = evaluate_kwargs.pop("seed", 0)
     for t in range(n_turns):
         todo = [i for i, n in enumerate(turns_of_record) if t < n]
         prompts = []
@@ -415,9 +417,7 @@ def evaluate_conversations(
                 answer = tokenizer.decode(row["output_ids"], skip_special_tokens=True)
                 history[i].append({"role": "assistant", "content": answer})
             turn_rows[i, t] = row
-    rows = [turn_rows[i, t] for i in range(len(records)) for t in range(n_turns) if (i, t) in turn_rows]
-    if summary is None:
-        raise PromptError("no prompts to evaluate")
+    rows = [turn_rows[i, t] for i, n in enumerate(turns_of_record) for t in range(n)]
     out = summarize(
         rows,
         block_size=summary["block_size"],
@@ -429,12 +429,8 @@ def evaluate_conversations(
     )
     if n_turns > 1:
         out["num_conversations"] = len(records)
-        out["tau_by_turn"] = [
-            acceptance_stats(_outputs_of([r for r in rows if r.get("turn", 1) == t + 1]), out["block_size"])[
-                "tau"
-            ]
-            for t in range(n_turns)
-        ]
+        by_turn = [[r for r in rows if r.get("turn", 1) == t + 1] for t in range(n_turns)]
+        out["tau_by_turn"] = [acceptance_stats(_outputs_of(rs), out["block_size"])["tau"] for rs in by_turn]
     return {"summary": out, "prompts": rows}
 
 
