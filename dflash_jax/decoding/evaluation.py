@@ -4,14 +4,22 @@
 
   {"messages": [{"role": "user", "content": "..."}, ...]}   chat (template applied; turns up to
                                                             the first assistant reply are kept)
-  {"prompt": "..."}                                         a user message (template applied)
+  {"prompt": "..."} or {"question": "..."}                  a user message (template applied)
+  {"turns": ["...", "..."]}                                 user messages asked one after another,
+                                                            each after the target's answer to the
+                                                            one before (z-lab's benchmark files)
   {"input_ids": [1, 2, 3]}                                  pre-tokenized, used as is
 
 with an optional "id". Text prompts need a tokenizer.
 
-``evaluate`` runs batched speculative decoding (``dflash_jax.decoding.speculative``), greedy by
-default: lossless, so the output equals the target's own greedy decoding, which it checks against
-the plain KV-cache decoder (``dflash_jax.decoding.generate``) unless ``baseline=False``.
+``evaluate`` runs batched speculative decoding (``dflash_jax.decoding.speculative``) of token-id
+prompts, greedy by default: lossless, so the output equals the target's own greedy decoding, which
+it checks against the plain KV-cache decoder (``dflash_jax.decoding.generate``) unless
+``baseline=False``. ``evaluate_conversations`` decodes ``load_prompts`` records (and the benchmark
+sets of ``dflash_jax.decoding.benchmarks``) turn by turn, all conversations' turn t in one
+``evaluate``: turn t+1 is asked after the speculative decoder's answer to turn t, decoded to text
+as z-lab's benchmark does (the target's own greedy answer, since decoding is lossless); every turn
+counts as one prompt of the report.
 
 Reported (z-lab's benchmark conventions where it has one):
 
@@ -62,13 +70,22 @@ def _chat_messages(obj: dict, where: str) -> list[dict]:
     return out
 
 
+def turns_of(obj: dict, where: str) -> list[str]:
+    """The user messages of a ``{"turns": [...]}`` record, or :class:`PromptError` naming ``where``."""
+    turns = obj.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise PromptError(f"{where}: 'turns' must be a non-empty list of strings")
+    return list(turns)
+
+
 def load_prompts(
     path: str | Path, tokenizer=None, *, enable_thinking: bool | None = None, limit: int | None = None
 ) -> list[dict]:
-    """Read a prompts JSONL (see module doc) -> ``[{"id", "input_ids"}]``.
+    """Read a prompts JSONL (see module doc) -> ``[{"id", "input_ids"} or {"id", "turns"}]``
+    (``turns`` records stay text: their later turns need the target's answers first).
 
     ``tokenizer`` may be a tokenizer or a zero-argument callable returning one (loaded only when a
-    text prompt needs it). Errors name the line.
+    text prompt needs it). Errors name the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -84,7 +101,7 @@ def load_prompts(
             )
             if tok is None:
                 raise PromptError(
-                    f"{where}: a text prompt needs a tokenizer (pass --tokenizer, or use input_ids)"
+                    f"{where}: a text prompt needs a tokenizer (target.tokenizer), or use input_ids"
                 )
             tok_cache.append(tok)
         return tok_cache[0]
@@ -109,16 +126,23 @@ def load_prompts(
                     or not all(isinstance(t, int) and t >= 0 for t in ids)
                 ):
                     raise PromptError(f"{where}: 'input_ids' must be a non-empty list of non-negative ints")
-            elif "prompt" in obj:
-                if not isinstance(obj["prompt"], str):
-                    raise PromptError(f"{where}: 'prompt' must be a string")
-                msgs = [{"role": "user", "content": obj["prompt"]}]
-                ids = encode_prompt(get_tokenizer(where), msgs, enable_thinking)
+                record = {"input_ids": [int(t) for t in ids]}
+            elif "turns" in obj:
+                record = {"turns": turns_of(obj, where)}
+            elif "prompt" in obj or "question" in obj:
+                field = "prompt" if "prompt" in obj else "question"
+                if not isinstance(obj[field], str):
+                    raise PromptError(f"{where}: {field!r} must be a string")
+                msgs = [{"role": "user", "content": obj[field]}]
+                record = {"input_ids": encode_prompt(get_tokenizer(where), msgs, enable_thinking)}
             elif "messages" in obj or "conversations" in obj:
-                ids = encode_prompt(get_tokenizer(where), _chat_messages(obj, where), enable_thinking)
+                msgs = _chat_messages(obj, where)
+                record = {"input_ids": encode_prompt(get_tokenizer(where), msgs, enable_thinking)}
             else:
-                raise PromptError(f"{where}: needs one of 'input_ids', 'prompt', 'messages'")
-            prompts.append({"id": str(obj.get("id", len(prompts))), "input_ids": [int(t) for t in ids]})
+                raise PromptError(
+                    f"{where}: needs one of 'input_ids', 'prompt', 'question', 'messages', 'turns'"
+                )
+            prompts.append({"id": str(obj.get("id", len(prompts))), **record})
             if limit is not None and len(prompts) >= limit:
                 break
     if not prompts:
@@ -254,22 +278,6 @@ def evaluate(
     outputs, spec_s = timed(run_spec, "speculative")
     base_out, base_s = timed(run_base, "baseline") if baseline else (None, None)
 
-    n_out = sum(len(o.output_ids) for o in outputs)
-    spec_forwards = sum(o.target_forwards for o in outputs)
-    summary = {
-        "num_prompts": len(prompts),
-        "block_size": S,
-        "max_new_tokens": max_new_tokens,
-        "temperature": sampling.temperature,
-        "batch_size": batch_size,
-        **acceptance_stats(outputs, S),
-        "output_tokens": n_out,
-        "target_forwards": spec_forwards,
-        "baseline_target_forwards": n_out,
-        "target_forward_speedup": n_out / spec_forwards if spec_forwards else None,
-        "seconds": spec_s,
-        "tokens_per_s": n_out / spec_s if spec_s > 0 else None,
-    }
     rows = []
     for i, o in enumerate(outputs):
         row = {
@@ -278,6 +286,7 @@ def evaluate(
             "output_ids": o.output_ids,
             "acceptance_lengths": o.acceptance_lengths,
             "accepted": o.accepted,
+            "drafted": o.drafted,
             "num_steps": o.num_steps,
             "tau": sum(o.acceptance_lengths) / o.num_steps if o.num_steps else None,
             "stopped": o.stopped,
@@ -287,19 +296,142 @@ def evaluate(
             if sampling.temperature == 0:
                 row["matches_baseline"] = base_out[i] == o.output_ids
         rows.append(row)
-    if base_out is not None:
-        n_base = sum(len(x) for x in base_out)
+    summary = summarize(
+        rows,
+        block_size=S,
+        max_new_tokens=max_new_tokens,
+        temperature=sampling.temperature,
+        batch_size=batch_size,
+        seconds=spec_s,
+        baseline_seconds=base_s,
+    )
+    return {"summary": summary, "prompts": rows}
+
+
+def _outputs_of(rows: Sequence[dict]) -> list:
+    from dflash_jax.decoding.speculative.driver import SpecOutput
+
+    return [
+        SpecOutput(r["prompt_len"], r["output_ids"], r["acceptance_lengths"], r["accepted"], r["drafted"])
+        for r in rows
+    ]
+
+
+def summarize(
+    rows: Sequence[dict],
+    *,
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seconds: float,
+    baseline_seconds: float | None = None,
+) -> dict:
+    """The summary of :func:`evaluate`'s per-prompt ``rows`` decoded in ``seconds`` (and, with
+    ``baseline_output_ids`` in the rows, plainly in ``baseline_seconds``)."""
+    outputs = _outputs_of(rows)
+    n_out = sum(len(o.output_ids) for o in outputs)
+    spec_forwards = sum(o.target_forwards for o in outputs)
+    summary = {
+        "num_prompts": len(rows),
+        "block_size": block_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "batch_size": batch_size,
+        **acceptance_stats(outputs, block_size),
+        "output_tokens": n_out,
+        "target_forwards": spec_forwards,
+        "baseline_target_forwards": n_out,
+        "target_forward_speedup": n_out / spec_forwards if spec_forwards else None,
+        "seconds": seconds,
+        "tokens_per_s": n_out / seconds if seconds > 0 else None,
+    }
+    if rows and all("baseline_output_ids" in r for r in rows) and baseline_seconds is not None:
+        n_base = sum(len(r["baseline_output_ids"]) for r in rows)
         summary.update(
-            baseline_seconds=base_s,
-            baseline_tokens_per_s=n_base / base_s if base_s > 0 else None,
-            wall_speedup=(n_out / spec_s) / (n_base / base_s)
-            if spec_s > 0 and base_s > 0 and n_base
+            baseline_seconds=baseline_seconds,
+            baseline_tokens_per_s=n_base / baseline_seconds if baseline_seconds > 0 else None,
+            wall_speedup=(n_out / seconds) / (n_base / baseline_seconds)
+            if seconds > 0 and baseline_seconds > 0 and n_base
             else None,
         )
-        if sampling.temperature == 0:
+        if temperature == 0:
             summary["matches_baseline"] = sum(r["matches_baseline"] for r in rows)
             summary["lossless"] = summary["matches_baseline"] == len(rows)
-    return {"summary": summary, "prompts": rows}
+    return summary
+
+
+def evaluate_conversations(
+    target,
+    drafter,
+    records: Sequence[dict],
+    *,
+    tokenizer=None,
+    enable_thinking: bool | None = None,
+    seed: int = 0,
+    **evaluate_kwargs,
+) -> dict:
+    """Speculative decoding of ``load_prompts`` records (``{"id", "input_ids"}`` or ``{"id",
+    "turns"}``), turn by turn (module doc); the report of :func:`evaluate`, one row per turn.
+
+    The rows of ``turns`` records carry ``turn`` (1-based) and the ``messages`` their prompt was
+    encoded from: earlier turns with the answers decoded from the speculative output (special
+    tokens skipped, as z-lab's benchmark decodes them). ``tokenizer`` encodes and decodes text
+    turns; ``evaluate_kwargs`` go to :func:`evaluate` for every turn.
+    """
+    records = list(records)
+    if not records:
+        raise PromptError("no prompts to evaluate")
+    if any("turns" in r for r in records) and tokenizer is None:
+        first = next(r["id"] for r in records if "turns" in r)
+        raise PromptError(f"prompt {first!r}: text turns need a tokenizer (target.tokenizer)")
+    history: list[list[dict]] = [[] for _ in records]
+    turn_rows: dict[tuple[int, int], dict] = {}  # (record index, turn) -> row
+    seconds, baseline_seconds = 0.0, 0.0
+    turns_of_record = [len(r["turns"]) if "turns" in r else 1 for r in records]
+    n_turns = max(turns_of_record, default=0)
+    for t in range(n_turns):
+        todo = [i for i, n in enumerate(turns_of_record) if t < n]
+        prompts = []
+        for i in todo:
+            r = records[i]
+            if "turns" in r:
+                history[i].append({"role": "user", "content": r["turns"][t]})
+                prompts.append(encode_prompt(tokenizer, history[i], enable_thinking))
+            else:
+                prompts.append(r["input_ids"])
+        rep = evaluate(
+            target,
+            drafter,
+            prompts,
+            ids=[records[i]["id"] for i in todo],
+            seed=seed + t,  # a stream of its own per turn when sampling
+            **evaluate_kwargs,
+        )
+        summary = rep["summary"]
+        seconds += summary["seconds"]
+        baseline_seconds += summary.get("baseline_seconds") or 0.0
+        for i, row in zip(todo, rep["prompts"], strict=True):
+            if "turns" in records[i]:
+                row.update(turn=t + 1, messages=[dict(m) for m in history[i]])
+                answer = tokenizer.decode(row["output_ids"], skip_special_tokens=True)
+                history[i].append({"role": "assistant", "content": answer})
+            turn_rows[i, t] = row
+    rows = [turn_rows[i, t] for i, n in enumerate(turns_of_record) for t in range(n)]
+    out = summarize(
+        rows,
+        block_size=summary["block_size"],
+        max_new_tokens=summary["max_new_tokens"],
+        temperature=summary["temperature"],
+        batch_size=summary["batch_size"],
+        seconds=seconds,
+        baseline_seconds=baseline_seconds if "baseline_seconds" in summary else None,
+    )
+    if n_turns > 1:
+        out["num_conversations"] = len(records)
+        by_turn = [[r for r in rows if r.get("turn", 1) == t + 1] for t in range(n_turns)]
+        out["tau_by_turn"] = [acceptance_stats(_outputs_of(rs), out["block_size"])["tau"] for rs in by_turn]
+    return {"summary": out, "prompts": rows}
 
 
 def format_summary(s: dict) -> str:
@@ -317,6 +449,9 @@ def format_summary(s: dict) -> str:
         f"(speedup {f(s['target_forward_speedup'], '.2f')}x)",
         f"speculative: {s['output_tokens']} tokens in {s['seconds']:.2f}s = {f(s['tokens_per_s'], '.1f')} tok/s",
     ]
+    if "tau_by_turn" in s:
+        by_turn = " ".join(f(x) for x in s["tau_by_turn"])
+        lines.insert(2, f"conversations: {s['num_conversations']}   tau by turn: {by_turn}")
     if "baseline_seconds" in s:
         lines.append(
             f"baseline: {f(s['baseline_tokens_per_s'], '.1f')} tok/s; wall speedup {f(s['wall_speedup'], '.2f')}x"
@@ -329,4 +464,13 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PromptError", "acceptance_stats", "evaluate", "format_summary", "load_prompts"]
+__all__ = [
+    "PromptError",
+    "acceptance_stats",
+    "evaluate",
+    "evaluate_conversations",
+    "format_summary",
+    "load_prompts",
+    "summarize",
+    "turns_of",
+]
