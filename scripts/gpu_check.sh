@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check as staged checks (scripts/gpu_check.py has the list): < 10 min on one H100 or H200,
-# compiles and the full-size Qwen3-8B step included; OUTDIR/result.json and OUTDIR/gpu_check.md are rewritten after every stage, and a stage
-# that fails or runs past its budget does not stop the next. Needs only what the GPU image has
+# compiles and the full-size Qwen3-8B step included; OUTDIR/result.json and OUTDIR/gpu_check.md are
+# rewritten after every stage, and a stage that fails or runs past its budget does not stop the next. Needs only what the GPU image has
 # (jax, flax, optax, orbax, transformers); packages it lacks (tokamax, grain) travel as wheels in
 # .whl/ (scripts/gpu_wheels.sh makes them) and are installed here into a scratch folder.
 #
