@@ -800,7 +800,9 @@ def stage_full(plan, prior, outdir) -> dict:
                 key = plan_lib.abstract_key(mesh)
                 c0 = time.perf_counter()
                 lowered = plan_lib.lower_train_step(spec, d_graph, d_state, t_graph, t_state, batch, key)
-                compiled = lowered.compile()
+                # CPU smoke: tiny shapes run fast unoptimised, and LLVM's expensive passes are most of its compile
+                cpu_opts = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+                compiled = lowered.compile(compiler_options=None if on_gpu() else cpu_opts)
             row["compile_s"] = time.perf_counter() - c0
             m = compiled.memory_analysis()
             if m is not None:
