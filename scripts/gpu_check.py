@@ -1,5 +1,5 @@
 """The GPU check, as staged checks that each run in their own process with their own time budget
-(run by ``scripts/gpu_check.sh OUTDIR``; whole run < 8 min on an H200, compiles included):
+(run by ``scripts/gpu_check.sh OUTDIR``; whole run < 10 min on one H100 or H200, compiles included):
 
   env          versions, devices, what imports (tokamax, grain), the kernels' budget at the shapes below
   compile      a small real shape: forward, forward+dq, forward+dk/dv compiled separately (a failure
@@ -10,17 +10,21 @@
                fwd+bwd time, compiled temp memory
   sweep        tile candidates within the budget, forward and backward kernels timed alone; the best
                becomes the recorded default
-  train        one online training step of qwen3-8b reduced to a few layers, the drafter in fp32 (as the
-               trainer runs it) and in bf16, each with pallas and xla: tokens/s and MFU (analytic FLOPs)
   target       the target's packed causal attention: our tiled XLA vs tokamax (vs cuDNN where it can
                express the mask: one document per row)
+  full         the trainer's step at full size on one GPU: Qwen3-8B's 36 layers (bf16, random weights
+               made on the device), a 5-layer B=16 drafter, T=4096, 512 anchors a row, the whole
+               vocabulary for the labels and a 32k draft vocabulary; ms/step, tokens/s, anchors/s,
+               MFU (analytic FLOPs), peak memory; then the target's attention at that shape vs cuDNN
+  train        (only with --stages) the step of qwen3-8b reduced to a few layers, the drafter in fp32
+               and in bf16, each with pallas and xla: tokens/s and MFU (analytic FLOPs)
 
 OUTDIR/result.json and OUTDIR/gpu_check.md are rewritten after every stage; a stage that fails,
 crashes or runs past its budget is recorded and the next one runs. Each function is compiled once
 (``lower().compile()``), then timed. ``--cpu-smoke`` runs every stage at tiny sizes on CPU
 (kernels in interpret mode). ``--record OUTDIR`` (run in the repo after a GPU run) writes the
-validated configurations into ``pallas_kernels/anchored_attention/validated.json`` and the
-markdown into BENCHMARKS.md's GPU section.
+validated configurations into ``pallas_kernels/anchored_attention/validated.json`` (keyed by the
+device kind the check ran on) and the markdown into BENCHMARKS.md's GPU section.
 """
 
 from __future__ import annotations
@@ -38,33 +42,52 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "compile", "correctness", "speed", "sweep", "train", "target")
-# Seconds per stage on an H200 (process start, imports and compiles included); sum + margin < 480.
-# Measured on an H200 on 2026-12-04: env 3-5, compile 16, correctness 92 (tokamax failing), speed 45,
-# train 119 (four variants), target 10; the sweep takes what it is given.
+STAGES = ("env", "compile", "correctness", "speed", "sweep", "target", "full", "train")
+# What a plain run runs: the reduced `train` stage no longer fits one 10-minute command beside `full`.
+DEFAULT_STAGES = ("env", "compile", "correctness", "speed", "sweep", "target", "full")
+# Seconds per stage on one GPU (process start, imports and compiles included); the default stages'
+# sum + margin < 590 (gpu_check.sh's timeout). Measured on an H200 on 2026-12-04: env 3-5, compile
+# 16, correctness 92 (tokamax failing), speed 45, train 119 (four variants), target 10; the sweep
+# takes what it is given; `full` is an estimate until a GPU run measures it (one compile of the
+# 36-layer step and a few steps of ~0.5 s per variant, the later variants only where time is left).
 BUDGET_S = {
     "env": 10,
     "compile": 30,
     "correctness": 120,
     "speed": 55,
-    "sweep": 75,
-    "train": 130,
+    "sweep": 60,
     "target": 20,
+    "full": 240,
+    "train": 130,
 }
-# CPU smoke (interpret mode on a shared 2-core box): the sum stays under 5 minutes.
+# CPU smoke (interpret mode on a shared 2-core box): the default stages' sum stays under 5 minutes.
 SMOKE_BUDGET_S = {
     "env": 15,
     "compile": 45,
     "correctness": 50,
     "speed": 50,
     "sweep": 35,
-    "train": 75,
     "target": 20,
+    "full": 75,
+    "train": 75,
 }
-TOTAL_S = 470
-SMOKE_TOTAL_S = 290
-# bf16 dense tensor-core peak per device, for MFU.
-PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA GH200": 989.0, "NVIDIA A100": 312.0}
+TOTAL_S = 565
+SMOKE_TOTAL_S = 295
+# The full-size stage's process may use this much of the GPU (JAX's default pool is 75 %); a user's
+# XLA_PYTHON_CLIENT_MEM_FRACTION wins.
+FULL_MEM_FRACTION = "0.92"
+# bf16 dense tensor-core peak per device (TFLOP/s), for MFU: the first name contained in the
+# device kind wins (jax says e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200").
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+)
 BENCH_BEGIN, BENCH_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 
 # (B, T, A, S, N, K, H, dtype)
@@ -87,6 +110,19 @@ FULL = {
         impls=("pallas/float32", "xla/float32", "pallas/bfloat16", "xla/bfloat16"),
     ),
     "target": (2, 8192, 32, 8, 128, "bfloat16"),  # B, T, N, K, H, dtype
+    # Qwen3-8B as configs/qwen3-8b.yaml describes it, every layer, on one device. Variants run in
+    # order while the budget allows (each costs about what the first did): the shipped `auto`
+    # attention at one row, the Pallas kernel forced where `auto` chose otherwise, then two rows.
+    "full": dict(
+        target_layers=36,
+        drafter_layers=5,
+        block_size=16,
+        seq=4096,
+        anchors=512,
+        draft_vocab=32000,
+        steps=3,
+        variants=(("auto", 1), ("pallas", 1), ("auto", 2)),
+    ),
 }
 SMOKE = {
     "compile": (1, 64, 4, 4, 4, 2, 16, "bfloat16"),
@@ -108,6 +144,18 @@ SMOKE = {
         impls=("xla/float32", "xla/bfloat16"),
     ),
     "target": (1, 128, 4, 2, 16, "float32"),
+    "full": dict(  # a few layers: the CPU compile of the unrolled drafter is what costs here
+        target_layers=4,
+        drafter_layers=2,
+        taps=(1, 2),
+        block_size=16,
+        seq=128,
+        anchors=8,
+        draft_vocab=256,
+        steps=1,
+        tiny=True,
+        variants=(("auto", 1),),
+    ),
 }
 
 
@@ -171,6 +219,27 @@ def tiles_from(prior: dict, key: str = "tiles"):
         if got:
             return TileConfig(**got)
     return None
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The bf16 dense peak of ``device_kind`` (see PEAK_TFLOPS), None for a kind not listed."""
+    for name, peak in PEAK_TFLOPS:
+        if name in device_kind:
+            return peak
+    return None
+
+
+def use_tiles(prior: dict):
+    """Make the bf16 kernels' default tiles the ones the compile/sweep stages chose (this process)."""
+    from pallas_kernels.anchored_attention import pallas_triton as pt
+
+    tiles = tiles_from(prior)
+    if tiles is not None:
+        default = pt.TileConfig.default
+        pt.TileConfig.default = classmethod(
+            lambda cls, head_dim, itemsize=2: tiles if itemsize == 2 else default(head_dim, itemsize)
+        )
+    return tiles
 
 
 def tokamax_ok() -> str | None:
@@ -522,7 +591,6 @@ def stage_train(plan, prior, outdir) -> dict:
     from dflash_jax.tools import flops
     from dflash_jax.tools import plan as plan_lib
     from dflash_jax.training.run_config import load_run_config
-    from pallas_kernels.anchored_attention import pallas_triton as pt
 
     p = plan["train"]
     cfg = load_run_config(
@@ -540,16 +608,10 @@ def stage_train(plan, prior, outdir) -> dict:
             cfg.drafter, target_layer_ids=list(taps), mask_token_id=tc.vocab_size - 1
         ),
     )
-    tiles = tiles_from(prior)
-    if tiles is not None:  # the step's bf16 kernels use the tiles the compile/sweep stages chose (bf16)
-        default = pt.TileConfig.default
-        pt.TileConfig.default = classmethod(
-            lambda cls, head_dim, itemsize=2: tiles if itemsize == 2 else default(head_dim, itemsize)
-        )
+    tiles = use_tiles(prior)  # the step's bf16 kernels use the tiles the compile/sweep stages chose
     out = {"target_layers": p["layers"], "drafter_layers": p["drafter_layers"], "rows": p["rows"],
            "seq_len": p["seq"], "anchors": p["anchors"], "tiles": tiles.to_dict() if tiles else None}  # fmt: skip
-    kind = jax.devices()[0].device_kind
-    peak = PEAK_TFLOPS.get(kind)
+    peak = peak_tflops(jax.devices()[0].device_kind)
     keys = []
     for run in p["impls"]:  # "impl/dtype": dtype is train.activation_dtype (plain "impl": the config's)
         impl, _, drafter_dtype = run.partition("/")
@@ -587,7 +649,11 @@ def stage_train(plan, prior, outdir) -> dict:
     return out
 
 
-def stage_target(plan, prior, outdir) -> dict:
+def target_attention_comparison(B, T, N, K, H, dtype, repeats, *, docs=4, tokamax=True) -> dict:
+    """The target's causal attention at [B, T] (forward only: the target is frozen): our tiled XLA
+    ``attend`` on rows of ``docs`` documents, tokamax on the same rows (``tokamax``), and on a GPU
+    cuDNN (``jax.nn.dot_product_attention``) against ours on one document a row, the only mask
+    cuDNN's top-left causal expresses here."""
     jax = _jax()
     import jax.numpy as jnp
     import numpy as np
@@ -595,46 +661,199 @@ def stage_target(plan, prior, outdir) -> dict:
     from dflash_jax.target.attention import attend, self_attention_mask
     from pallas_kernels.anchored_attention import tokamax_impl
 
-    B, T, N, K, H, dtype = plan["target"]
     key = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(key[0], (B, T, N, H)).astype(dtype)
     k = jax.random.normal(key[1], (B, T, K, H)).astype(dtype)
     v = jax.random.normal(key[2], (B, T, K, H)).astype(dtype)
-    seg = jnp.asarray(np.repeat((np.arange(T) // max(T // 4, 1) + 1)[None], B, 0), jnp.int32)
+    seg = jnp.asarray(np.repeat((np.arange(T) // max(T // docs, 1) + 1)[None], B, 0), jnp.int32)
     scale = H**-0.5
-    out = {"shape": dict(B=B, T=T, N=N, K=K, H=H, dtype=dtype, docs_per_row=4)}
+    out = {"shape": dict(B=B, T=T, N=N, K=K, H=H, dtype=dtype, docs_per_row=docs)}
     ours_fn = lambda q, k, v, seg: attend(q, k, v, *self_attention_mask(B, T, seg), scale)
     compiled, secs, temp = compile_once(ours_fn, q, k, v, seg)
-    out["ours"] = {
-        "ms": timed_ms(compiled, (q, k, v, seg), plan["repeats"]),
-        "compile_s": secs,
-        "temp_mib": temp,
-    }
+    out["ours"] = {"ms": timed_ms(compiled, (q, k, v, seg), repeats), "compile_s": secs, "temp_mib": temp}
     ref = compiled(q, k, v, seg)
-    if tokamax_ok() is None:
+    if not tokamax:
+        pass
+    elif tokamax_ok() is None:
         impl = "mosaic" if on_gpu() else "xla"
         fn = lambda q, k, v, seg: tokamax_impl.packed_causal_attention_tokamax(
             q, k, v, seg, scale=scale, implementation=impl
         )
         try:
             c, secs, temp = compile_once(fn, q, k, v, seg)
-            out[f"tokamax_{impl}"] = {"ms": timed_ms(c, (q, k, v, seg), plan["repeats"]), "compile_s": secs,
+            out[f"tokamax_{impl}"] = {"ms": timed_ms(c, (q, k, v, seg), repeats), "compile_s": secs,
                                       "temp_mib": temp, "rel_err_vs_ours": _rel_err(c(q, k, v, seg), ref)}  # fmt: skip
         except Exception as e:  # noqa: BLE001
             out[f"tokamax_{impl}"] = {"error": err_text(e)}
     else:
         out["tokamax"] = {"error": tokamax_ok()}
-    if on_gpu():  # cuDNN expresses top-left causal only: one document per row, timed for scale
+    if on_gpu():
         one = jnp.ones_like(seg)
         fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         try:
             c, secs, temp = compile_once(fn, q, k, v)
             ours1, _, _ = compile_once(ours_fn, q, k, v, one)
-            out["cudnn_one_doc"] = {"ms": timed_ms(c, (q, k, v), plan["repeats"]), "compile_s": secs,
-                                    "ours_one_doc_ms": timed_ms(ours1, (q, k, v, one), plan["repeats"]),
-                                    "rel_err_vs_ours": _rel_err(c(q, k, v), ours1(q, k, v, one))}  # fmt: skip
+            r = {"ms": timed_ms(c, (q, k, v), repeats), "compile_s": secs,
+                 "ours_one_doc_ms": timed_ms(ours1, (q, k, v, one), repeats),
+                 "rel_err_vs_ours": _rel_err(c(q, k, v), ours1(q, k, v, one))}  # fmt: skip
+            r["ours_over_cudnn"] = r["ours_one_doc_ms"] / r["ms"]
+            out["cudnn_one_doc"] = r
         except Exception as e:  # noqa: BLE001
             out["cudnn_one_doc"] = {"error": err_text(e)}
+    return out
+
+
+def stage_target(plan, prior, outdir) -> dict:
+    B, T, N, K, H, dtype = plan["target"]
+    return target_attention_comparison(B, T, N, K, H, dtype, plan["repeats"])
+
+
+class _AutoChoice:
+    """Collects the kernel dispatch's ``attention_impl=auto: using ...`` lines (logged once each)."""
+
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda rec: self.lines.append(rec.getMessage())
+        log = logging.getLogger("pallas_kernels.anchored_attention.api")
+        log.setLevel(logging.INFO)
+        log.addHandler(handler)
+
+
+def _full_run_config(p: dict):
+    """qwen3-8b's run config (configs/qwen3-8b.yaml) at the stage's sizes, and its target config."""
+    import dataclasses
+
+    from dflash_jax.target.config import TargetConfig
+    from dflash_jax.training.run_config import load_run_config
+
+    cfg = load_run_config(
+        "qwen3-8b",
+        [
+            f"drafter.num_layers={p['drafter_layers']}",
+            f"drafter.block_size={p['block_size']}",
+            f"drafter.draft_vocab_size={p['draft_vocab']}",
+            f"train.max_anchors={p['anchors']}",
+            f"data.max_length={p['seq']}",
+        ],
+    )
+    arch = dict(cfg.target.architecture, num_hidden_layers=p["target_layers"])
+    if p.get("tiny"):  # CPU smoke: the same stage at toy widths
+        arch.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)  # fmt: skip
+        drafter = dataclasses.replace(cfg.drafter, mask_token_id=511, target_layer_ids=list(p["taps"]))
+        cfg = dataclasses.replace(cfg, drafter=drafter)
+    return cfg, TargetConfig.from_hf_dict(arch)
+
+
+def stage_full(plan, prior, outdir) -> dict:
+    """The trainer's own step (training/step.py's ``jit_train_step``, lowered by tools/plan.py on
+    the planner's abstract shapes) at full size on one device. Weights and optimizer state are
+    random, made on the device at their real shapes (``tools.plan``'s measurement: one jitted
+    initialiser with the leaves' shardings); the rows are the planner's packed rows of 4 documents.
+    A variant whose compiled plan exceeds the device's memory pool is recorded and not run."""
+    jax = _jax()
+    import dataclasses
+
+    from dflash_jax.sharding import MeshConfig, make_mesh
+    from dflash_jax.tools import flops
+    from dflash_jax.tools import plan as plan_lib
+
+    t_start = time.perf_counter()
+    p = plan["full"]
+    deadline = t_start + plan["budget_s"] - 10  # leave time to write the result
+    cfg, tc = _full_run_config(p)
+    tiles = use_tiles(prior)  # for a forced `pallas`; `auto` takes validated.json's tiles
+    auto = _AutoChoice()
+    device = jax.devices()[0]
+    peak = peak_tflops(device.device_kind)
+    limit = plan_lib.device_memory_limit([device])
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), [device])
+    out = {"device_kind": device.device_kind, "target_layers": tc.num_layers, "hidden": tc.hidden_size,
+           "vocab": tc.vocab_size, "draft_vocab": p["draft_vocab"], "drafter_layers": p["drafter_layers"],
+           "block_size": p["block_size"], "seq_len": p["seq"], "anchors_per_row": p["anchors"],
+           "target_dtype": cfg.target.dtype, "loss": cfg.train.loss, "peak_tflops": peak,
+           "memory_pool_gib": None if limit is None else limit / 2**30,
+           "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+           "tiles": tiles.to_dict() if tiles else None, "variants": []}  # fmt: skip
+    first_s = None
+    for impl, rows in p["variants"]:
+        row = {"attention_impl": impl, "rows": rows}
+        out["variants"].append(row)
+        if impl == "pallas" and any("using 'pallas'" in line for line in auto.lines):
+            row["status"] = "skipped: auto already runs pallas"
+            continue
+        left = deadline - time.perf_counter() - (0 if first_s is None else 15)  # 15 s: the attention part
+        if first_s is not None and left < 1.2 * first_s:
+            row["status"] = (
+                f"skipped: {left:.0f} s left of the stage budget, the first variant took {first_s:.0f} s"
+            )
+            continue
+        v0 = time.perf_counter()
+        try:
+            c = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, attention_impl=impl))
+            spec = plan_lib.spec_for_run(c, target_config=tc, seq_len=p["seq"], batch_rows=rows)
+            row["drafter_compute_dtype"] = spec.drafter_config.compute_dtype
+            row["drafter_matmul_dtype"] = spec.drafter_config.matmul_dtype
+            with jax.set_mesh(mesh):
+                t_graph, t_state = plan_lib.abstract_target(spec, mesh)
+                d_graph, d_state = plan_lib.abstract_drafter_and_optimizer(spec, mesh)
+                batch = plan_lib.abstract_batch(spec, mesh)
+                key = plan_lib.abstract_key(mesh)
+                c0 = time.perf_counter()
+                lowered = plan_lib.lower_train_step(spec, d_graph, d_state, t_graph, t_state, batch, key)
+                # CPU smoke: tiny shapes run fast unoptimised, and LLVM's expensive passes are most of its compile
+                cpu_opts = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+                compiled = lowered.compile(compiler_options=None if on_gpu() else cpu_opts)
+            row["compile_s"] = time.perf_counter() - c0
+            m = compiled.memory_analysis()
+            if m is not None:
+                plan_peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                             + m.temp_size_in_bytes)  # fmt: skip
+                row["plan_peak_gib"] = plan_peak / 2**30
+                if limit is not None and plan_peak > limit:
+                    row["status"] = (f"does not fit: the compiled step needs {plan_peak / 2**30:.1f} GiB, "
+                                     f"the pool holds {limit / 2**30:.1f} GiB")  # fmt: skip
+                    continue
+            step_s = plan_lib._measure(compiled, spec, mesh, t_state, d_state, p["steps"])
+            tokens, blocks = rows * p["seq"], rows * p["anchors"]
+            model_flops = flops.train_step_flops(
+                tc, spec.drafter_config, context_tokens=tokens, blocks=blocks,
+                label_positions=flops.label_positions(cfg.train.loss, tokens, blocks, spec.drafter_config.block_size),
+            )  # fmt: skip
+            row.update(status="ok", ms_per_step=1e3 * step_s, tokens_per_s=tokens / step_s,
+                       anchors_per_s=blocks / step_s, tflops_per_step=model_flops / 1e12,
+                       model_tflops_per_s=model_flops / step_s / 1e12)  # fmt: skip
+            if peak:
+                row["mfu"] = row["model_tflops_per_s"] / peak
+            stats = device.memory_stats() or {}
+            if "peak_bytes_in_use" in stats:  # the process's peak so far: this variant's or an earlier one's
+                row["device_peak_gib"] = stats["peak_bytes_in_use"] / 2**30
+        except Exception as e:  # noqa: BLE001 - recorded (out of memory included); the next variant runs
+            row.update(status="failed", error=err_text(e))
+        finally:
+            row["seconds"] = time.perf_counter() - v0
+            first_s = row["seconds"] if first_s is None else first_s
+            print("full", json.dumps(row)[:400], flush=True)
+            progress(out)
+        if impl == "auto" and auto.lines:
+            out["auto_choice"] = auto.lines[0]
+        # the target's attention at the step's shape, once one variant has run
+        if "target_attention" not in out and row.get("status") == "ok":
+            try:
+                out["target_attention"] = target_attention_comparison(
+                    rows, p["seq"], tc.num_heads, tc.num_kv_heads, tc.head_dim, cfg.target.dtype,
+                    plan["repeats"], tokamax=False,
+                )  # fmt: skip
+                ours = out["target_attention"]["ours"]["ms"]
+                out["target_attention"]["ours_ms_x_layers"] = ours * tc.num_layers
+            except Exception as e:  # noqa: BLE001
+                out["target_attention"] = {"error": err_text(e)}
+            progress(out)
+    if not any(r.get("status") == "ok" for r in out["variants"]):
+        raise StageFailed(f"no full-size variant ran: {[r.get('status') for r in out['variants']]}", out)
     return out
 
 
@@ -644,8 +863,9 @@ STAGE_FNS = {
     "correctness": stage_correctness,
     "speed": stage_speed,
     "sweep": stage_sweep,
-    "train": stage_train,
     "target": stage_target,
+    "full": stage_full,
+    "train": stage_train,
 }
 
 
@@ -762,8 +982,54 @@ def markdown(report: dict) -> str:
                     f"- {k}: "
                     + ", ".join(f"{a}={b:.3g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items())
                 )
+    lines += full_markdown(res("full"))
     lines += ["", f"total {report['seconds']:.0f} s"]
     return "\n".join(lines) + "\n"
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def full_markdown(fu: dict) -> list[str]:
+    """The full-size stage's lines: one row per variant, the `auto` choice, the target's attention."""
+    if not fu.get("variants"):
+        return []
+    pool = f", pool {fu['memory_pool_gib']:.1f} GiB" if fu.get("memory_pool_gib") else ""
+    dtypes = {(r.get("drafter_compute_dtype"), r.get("drafter_matmul_dtype")) for r in fu["variants"]}
+    lines = ["", f"full-size step on one {fu['device_kind']} (qwen3-8b: {fu['target_layers']} target layers in "
+             f"{fu['target_dtype']}, random weights; {fu['drafter_layers']}-layer drafter, B={fu['block_size']}, "
+             f"drafter compute/matmul dtype {', '.join(f'{a}/{b}' for a, b in sorted(dtypes, key=str) if a)}; "
+             f"T={fu['seq_len']}, {fu['anchors_per_row']} anchors a row, {fu['loss']} labels over the "
+             f"{fu['vocab']}-token vocabulary, {fu['draft_vocab']}-token draft vocabulary{pool}; "
+             f"MFU over {_fmt(fu.get('peak_tflops'), '.0f')} TFLOP/s):", "",
+             "| attention | rows | ms/step | tokens/s | anchors/s | TFLOP/step | MFU | plan peak GiB | device peak GiB | compile s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in fu["variants"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        status = (r.get("error") or r.get("status", "not run"))[:120].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['attention_impl']} | {r['rows']} | {_fmt(r.get('ms_per_step'))} | "
+                     f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('anchors_per_s'), '.0f')} | "
+                     f"{_fmt(r.get('tflops_per_step'))} | {mfu} | {_fmt(r.get('plan_peak_gib'))} | "
+                     f"{_fmt(r.get('device_peak_gib'))} | {_fmt(r.get('compile_s'), '.0f')} | {status} |")  # fmt: skip
+    if fu.get("auto_choice"):
+        lines += ["", f"`auto`: {fu['auto_choice']}"]
+    ta = fu.get("target_attention") or {}
+    if "ours" in ta:
+        s = ta["shape"]
+        text = (f"target attention at the step's shape ({s['B']} x {s['T']}, {s['N']}/{s['K']} heads, d={s['H']}, "
+                f"{s['dtype']}, forward): ours {ta['ours']['ms']:.2f} ms on {s['docs_per_row']} documents a row "
+                f"(x {fu['target_layers']} layers: {ta['ours_ms_x_layers']:.0f} ms)")  # fmt: skip
+        cu = ta.get("cudnn_one_doc") or {}
+        if "ms" in cu:
+            text += (f"; one document a row: ours {cu['ours_one_doc_ms']:.2f} ms, cuDNN {cu['ms']:.2f} ms "
+                     f"(ours / cuDNN {cu['ours_over_cudnn']:.2f})")  # fmt: skip
+        elif "error" in cu:
+            text += f"; cuDNN: {cu['error'][:160]}"
+        lines += ["", text]
+    elif "error" in ta:
+        lines += ["", f"target attention: {ta['error'][:200]}"]
+    return lines
 
 
 def orchestrate(outdir: Path, smoke: bool, stages, budget_scale: float, total_s: float, budgets=None) -> dict:
@@ -797,6 +1063,8 @@ def orchestrate(outdir: Path, smoke: bool, stages, budget_scale: float, total_s:
             log.flush()
             s0 = time.perf_counter()
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if name == "full":  # one device holds Qwen3-8B, its drafter and the step: a larger pool
+                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", FULL_MEM_FRACTION)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -825,8 +1093,10 @@ def orchestrate(outdir: Path, smoke: bool, stages, budget_scale: float, total_s:
 
 
 def record(outdir: Path, validated_path: Path | None = None, benchmarks: Path | None = None) -> list[dict]:
-    """After a GPU run: validated.json gets an entry per kernel that passed every correctness case
-    and beat xla fwd+bwd at the speed shape; BENCHMARKS.md's GPU section gets the markdown."""
+    """After a GPU run: validated.json gets an entry, keyed by the device kind the check ran on,
+    for the kernel that passed every correctness case and beat xla fwd+bwd at the speed shape
+    (entries of other kinds stay); BENCHMARKS.md's GPU section gets the markdown of ``result.json``
+    (every stage's numbers, the full-size step's included)."""
     from pallas_kernels.anchored_attention import validated
 
     report = json.loads((outdir / "result.json").read_text())
@@ -861,7 +1131,7 @@ def record(outdir: Path, validated_path: Path | None = None, benchmarks: Path | 
     if BENCH_BEGIN in text and BENCH_END in text:
         head, rest = text.split(BENCH_BEGIN, 1)
         _, tail = rest.split(BENCH_END, 1)
-        md = (outdir / "gpu_check.md").read_text()
+        md = markdown(report)
         bench.write_text(f"{head}{BENCH_BEGIN}\n{md}{BENCH_END}{tail}")
     return rows
 
@@ -870,7 +1140,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir", type=Path, nargs="?")
     p.add_argument("--cpu-smoke", action="store_true", help="every stage at tiny sizes on CPU")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
+    p.add_argument("--stages", default=",".join(DEFAULT_STAGES), help=f"comma-separated subset of {STAGES}")
     p.add_argument("--inject-failure", default="", help="STAGE[:hang],...: make stages fail (tests)")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every stage's budget")
     p.add_argument("--budgets", default="", help="STAGE=SECONDS,...: override stage budgets")

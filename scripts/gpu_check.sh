@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check as staged checks (scripts/gpu_check.py has the list): < 8 min on an H200, compiles
-# included; OUTDIR/result.json and OUTDIR/gpu_check.md are rewritten after every stage, and a stage
-# that fails or runs past its budget does not stop the next. Needs only what the GPU image has
+# The GPU check as staged checks (scripts/gpu_check.py has the list): < 10 min on one H100 or H200,
+# compiles and the full-size Qwen3-8B step included; OUTDIR/result.json and OUTDIR/gpu_check.md are
+# rewritten after every stage, and a stage that fails or runs past its budget does not stop the next. Needs only what the GPU image has
 # (jax, flax, optax, orbax, transformers); packages it lacks (tokamax, grain) travel as wheels in
 # .whl/ (scripts/gpu_wheels.sh makes them) and are installed here into a scratch folder.
 #
 #   scripts/gpu_check.sh OUTDIR                # on a GPU machine
 #   scripts/gpu_check.sh OUTDIR --cpu-smoke    # every stage at tiny sizes on CPU (< 5 min)
 #   scripts/gpu_check.sh OUTDIR --stages compile,correctness --inject-failure compile
+#   scripts/gpu_check.sh OUTDIR --stages env,train     # the reduced step, not in a plain run
 set -uo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: $0 OUTDIR [--cpu-smoke] [--stages a,b] [--inject-failure STAGE[:hang]]" >&2

@@ -1,12 +1,14 @@
 """scripts/gpu_check.py, the staged GPU check, exercised on CPU: a stage that fails or hangs past
-its budget is recorded and the later stages still run; a GPU run's result becomes validated.json
-entries and BENCHMARKS.md's GPU section only where the kernel passed and beat xla."""
+its budget is recorded and the later stages still run; the full-size stage's CPU smoke measures the
+trainer's step and reports its fields; a GPU run's result becomes validated.json entries (for the
+device kind it ran on) and BENCHMARKS.md's GPU section only where the kernel passed and beat xla."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,7 +49,7 @@ def test_failed_and_hung_stages_do_not_stop_later_ones(tmp_path):
         "--inject-failure",
         "env,compile:hang",
         "--budgets",
-        "compile=8",
+        "compile=8,target=120",  # target: room for a loaded box, it must end "ok"
     )
     assert proc.returncode == 1, proc.stdout[-2000:]
     st = report["stages"]
@@ -105,6 +107,81 @@ def test_record_validates_only_a_passing_faster_kernel(tmp_path):
         gc.record(tmp_path, validated_path=table, benchmarks=bench)
 
 
+def test_full_stage_smoke_measures_the_trainers_step(tmp_path):
+    # a generous budget: the stage's compile is tens of seconds on a loaded 2-core box
+    proc, report = run_check(tmp_path, "--stages", "full", "--budgets", "full=400", "--total", "420")
+    full = report["stages"]["full"]
+    assert full["status"] == "ok", (full, proc.stdout[-2000:])
+    res = full["result"]
+    assert (res["target_layers"], res["drafter_layers"], res["block_size"]) == (4, 2, 16)
+    assert res["vocab"] == 512 and res["draft_vocab"] == 256 and res["loss"] == "ce"
+    (v,) = res["variants"]
+    assert v["status"] == "ok" and v["attention_impl"] == "auto" and v["rows"] == 1
+    assert v["ms_per_step"] > 0 and v["compile_s"] > 0 and v["plan_peak_gib"] > 0
+    assert v["tokens_per_s"] == pytest.approx(128 / (v["ms_per_step"] / 1e3))
+    assert v["anchors_per_s"] == pytest.approx(8 / (v["ms_per_step"] / 1e3))  # 8 anchors a row, all drawn
+    gc = load_script()
+    assert res["peak_tflops"] is None and "mfu" not in v  # no bf16 peak for a CPU
+    from dflash_jax.tools import flops
+
+    cfg, tc = gc._full_run_config(gc.SMOKE["full"])
+    assert tc.num_layers == 4 and tc.vocab_size == 512
+    assert res["mem_fraction"] == gc.FULL_MEM_FRACTION  # the stage's own process got the larger pool
+    assert "xla" in res["auto_choice"]  # auto off GPU
+    assert res["target_attention"]["ours"]["ms"] > 0 and "cudnn_one_doc" not in res["target_attention"]
+    assert v["tflops_per_step"] > flops.target_forward_flops(tc, 128) / 1e12  # target + labels + drafter
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| auto | 1 |" in md and "4 target layers" in md and "256-token draft vocabulary" in md
+
+
+def test_record_adds_the_kind_the_check_ran_on(tmp_path):
+    gc = load_script()
+    from pallas_kernels.anchored_attention import validated
+
+    assert gc.peak_tflops("NVIDIA H100 80GB HBM3") == gc.peak_tflops("NVIDIA H200") == 989.0
+    assert gc.peak_tflops("NVIDIA H100 PCIe") == 756.0 and gc.peak_tflops("cpu") is None
+    kind = "NVIDIA H100 80GB HBM3"  # jax's device_kind of an H100 SXM
+    variant = dict(attention_impl="auto", rows=1, status="ok", ms_per_step=520.0, tokens_per_s=7877.0,
+                   anchors_per_s=985.0, tflops_per_step=230.0, mfu=0.447, plan_peak_gib=48.2,
+                   device_peak_gib=50.1, compile_s=70.0, drafter_compute_dtype="bfloat16",
+                   drafter_matmul_dtype="bfloat16")  # fmt: skip
+    full = dict(device_kind=kind, target_layers=36, hidden=4096, vocab=151936, draft_vocab=32000,
+                drafter_layers=5, block_size=16, seq_len=4096, anchors_per_row=512, target_dtype="bfloat16",
+                loss="ce", peak_tflops=989.0, memory_pool_gib=73.2, variants=[variant],
+                auto_choice="attention_impl=auto: using 'xla' (no GPU check has validated ...)",
+                target_attention={"shape": dict(B=1, T=4096, N=32, K=8, H=128, dtype="bfloat16", docs_per_row=4),
+                                  "ours": {"ms": 3.1}, "ours_ms_x_layers": 111.6,
+                                  "cudnn_one_doc": {"ms": 1.0, "ours_one_doc_ms": 6.0, "ours_over_cudnn": 6.0}})  # fmt: skip
+    report = {
+        "cpu_smoke": False, "order": ["env", "correctness", "speed", "full"], "seconds": 500.0,
+        "stages": {
+            "env": {"status": "ok", "seconds": 5, "result": {"device_kind": kind, "jax": "0.11.2"}},
+            "correctness": {"status": "ok", "seconds": 60, "result": {"cases": [], "pallas_ok": True}},
+            "speed": {"status": "ok", "seconds": 60, "result": {
+                "shape": dict(B=16, T=8192, A=512, S=16, N=32, K=8, H=128, dtype="bfloat16"),
+                "visible_fraction": 0.1, "computed_fraction": 0.2, "tiles": None,
+                "xla": {"fwd_bwd_ms": 30.0}, "pallas": {"fwd_bwd_ms": 10.0, "speedup_vs_xla": 3.0}}},
+            "full": {"status": "ok", "seconds": 200, "result": full},
+        },
+    }  # fmt: skip
+    (tmp_path / "result.json").write_text(json.dumps(report))
+    table = tmp_path / "validated.json"
+    shutil.copy(validated.TABLE_PATH, table)  # the shipped table, whatever kinds it holds
+    before = validated.load(table)
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text(f"## GPU\n\n{gc.BENCH_BEGIN}\nold\n{gc.BENCH_END}\n")
+    (row,) = gc.record(tmp_path, validated_path=table, benchmarks=bench)
+    after = validated.load(table)
+    assert validated.lookup(kind, 128, 4, "bfloat16", False, table=after) == row
+    assert row["impl"] == "pallas" and row["speedup_vs_xla"] == 3.0
+    assert [r for r in after if r["device_kind"] != kind] == [r for r in before if r["device_kind"] != kind]
+    assert len(after) == len([r for r in before if r["device_kind"] != kind]) + 1
+    text = bench.read_text()
+    assert f"full-size step on one {kind}" in text
+    assert "| auto | 1 | 520.0 | 7877 | 985 | 230.0 | 44.7% | 48.2 | 50.1 | 70 | ok |" in text
+    assert "cuDNN 1.00 ms (ours / cuDNN 6.00)" in text
+
+
 def test_fallback_and_sweep_candidates_fit_the_budget():
     gc = load_script()
     from pallas_kernels.anchored_attention import budget
@@ -124,4 +201,5 @@ def test_cpu_smoke_runs_every_stage_in_under_5_minutes(tmp_path):
     proc, report = run_check(tmp_path)
     assert time.perf_counter() - t0 < 300
     assert proc.returncode == 0, proc.stdout[-3000:]
+    assert report["order"] == list(load_script().DEFAULT_STAGES)
     assert [report["stages"][s]["status"] for s in report["order"]] == ["ok"] * 7

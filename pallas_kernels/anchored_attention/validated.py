@@ -4,8 +4,9 @@
 that ``scripts/gpu_check.sh`` ran on a GPU with every correctness case passing and measured faster
 than ``xla`` (fwd+bwd). ``auto`` picks the entry's ``impl`` (``pallas`` with its ``tiles``, or
 ``tokamax``) for exactly that configuration and ``xla`` for any other: a kernel that has never run
-on a GPU is not chosen by default. The file is written by ``scripts/gpu_check.py --write-validated``
-from a check's ``result.json``; it is empty until a GPU check has run.
+on a GPU is not chosen by default. The file is written by ``scripts/gpu_check.py --record OUTDIR``
+from a check's ``result.json``, keyed by the device kind jax reported where the check ran (``NVIDIA
+H200``, ``NVIDIA H100 80GB HBM3``, ...); a kind no check has run on gets ``xla``.
 
 Entry::
 
