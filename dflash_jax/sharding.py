@@ -258,6 +258,17 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, x.shape))
 
 
+def batch_shards(mesh: Mesh | None = None, rules=DEFAULT_RULES) -> int:
+    """How many pieces the ``batch`` logical axis splits into on ``mesh`` (the current one by
+    default; 1 outside a mesh): data x fsdp under ``DEFAULT_RULES``."""
+    mesh = mesh or _current_mesh()
+    if mesh is None:
+        return 1
+    axes = dict(rules)["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
+
+
 def _current_mesh() -> Mesh | None:
     try:
         m = jax.sharding.get_abstract_mesh()

@@ -143,6 +143,9 @@ class HloStats:
     matmul_flops: float  # per device, loops multiplied out
     collectives: dict[str, tuple[int, int]]  # kind -> (count per step, bytes per step)
     unknown_trip_loops: int
+    # (kind, result array type such as "f32[64,1536]") of every distinct collective: a
+    # vocabulary-sized one shows V (or V / tensor) among its dims
+    collective_shapes: tuple[tuple[str, str], ...] = ()
 
     @property
     def collective_bytes(self) -> int:
@@ -151,8 +154,13 @@ class HloStats:
     def collectives_summary(self) -> str:
         if not self.collectives:
             return "none"
+        largest = {}
+        for kind, array in self.collective_shapes:
+            if shape_bytes(array) > shape_bytes(largest.get(kind, "")):
+                largest[kind] = array
         return "; ".join(
-            f"{kind} x{count} {_human(nbytes)}" for kind, (count, nbytes) in sorted(self.collectives.items())
+            f"{kind} x{count} {_human(nbytes)}" + (f" (largest {largest[kind]})" if kind in largest else "")
+            for kind, (count, nbytes) in sorted(self.collectives.items())
         )
 
 
@@ -172,6 +180,7 @@ def analyze(hlo_text: str) -> HloStats:
     mult, unknown = _multiplicities(comps, entry)
     flops = 0.0
     coll: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    shapes: set[tuple[str, str]] = set()
     for name, comp in comps.items():
         m = mult.get(name, 0)
         if not m:
@@ -188,14 +197,18 @@ def analyze(hlo_text: str) -> HloStats:
                 continue
             kind = ins.op.removesuffix("-start")
             if kind in COLLECTIVE_KINDS and not ins.op.endswith("-done"):
+                arrays = _SHAPE_RE.findall(ins.type_text)
                 nbytes = shape_bytes(ins.type_text)
                 if ins.op.endswith("-start") and ins.type_text.startswith("("):
                     # async start: (operand(s), result[, scratch]) -> count the largest buffer
-                    nbytes = max(shape_bytes(f"{d}[{s}]") for d, s in _SHAPE_RE.findall(ins.type_text))
+                    nbytes = max(shape_bytes(f"{d}[{s}]") for d, s in arrays)
+                    arrays = [max(arrays, key=lambda a: shape_bytes(f"{a[0]}[{a[1]}]"))]
+                shapes.update((kind, f"{dtype}[{dims}]") for dtype, dims in arrays)
                 coll[kind][0] += m
                 coll[kind][1] += m * nbytes
     return HloStats(
         matmul_flops=flops,
         collectives={k: (v[0], v[1]) for k, v in coll.items()},
         unknown_trip_loops=unknown,
+        collective_shapes=tuple(sorted(shapes)),
     )

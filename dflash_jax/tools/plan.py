@@ -72,6 +72,7 @@ class LayoutPlan:
     flops: float  # matmul FLOPs per device per step (loops multiplied out)
     collectives: dict = field(default_factory=dict)  # kind -> (count, bytes) per device per step
     unknown_trip_loops: int = 0
+    collective_shapes: tuple = ()  # (kind, result array type) of each distinct collective (hlo_stats)
     compile_seconds: float = 0.0
     cached_features: bool = False  # planned for a run from the offline feature cache
     step_seconds: float | None = None
@@ -92,7 +93,9 @@ class LayoutPlan:
         return sum(b for _, b in self.collectives.values())
 
     def collectives_summary(self) -> str:
-        return hlo_stats.HloStats(self.flops, self.collectives, self.unknown_trip_loops).collectives_summary()
+        return hlo_stats.HloStats(
+            self.flops, self.collectives, self.unknown_trip_loops, self.collective_shapes
+        ).collectives_summary()
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,6 +337,7 @@ def compile_layout(
         flops=stats.matmul_flops,
         collectives=stats.collectives,
         unknown_trip_loops=stats.unknown_trip_loops,
+        collective_shapes=stats.collective_shapes,
         compile_seconds=compile_s,
         cached_features=spec.cached_features,
     )

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.sharding import constrain
+from dflash_jax.sharding import batch_shards, constrain
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -52,10 +52,18 @@ def slot_weights(block_size: int, gamma: float | None = None, scheme: str = "dec
     return w.at[0].set(0.0)
 
 
+# The frozen [D, V] head as the loss uses it: whole hidden dim (gathered over fsdp once per step,
+# outside the chunk loop), vocabulary split over tensor. The chunk's rows are split over the batch
+# axes, so each device multiplies its own rows by its vocabulary slice, and the only collectives
+# per chunk are the [C]-sized max/sum/argmax statistics over tensor and the [C, D] pullback sum.
+# Left sharded over fsdp on D, XLA instead sums partial [C, V] logits over fsdp every chunk.
+HEAD_AXES = (None, "vocab")
+
+
 def lm_head_logits(lm_head: jax.Array, compute_dtype=jnp.float32) -> Callable[[jax.Array], jax.Array]:
     """Plain ``hidden @ lm_head`` (fp32 accumulation): the target's logits, or a drafter's that
-    has no logit scale or soft-cap."""
-    w = jax.lax.stop_gradient(lm_head).astype(compute_dtype)
+    has no logit scale or soft-cap. The head is placed as ``HEAD_AXES``."""
+    w = constrain(jax.lax.stop_gradient(lm_head).astype(compute_dtype), HEAD_AXES)
 
     def logits(h: jax.Array) -> jax.Array:
         return jnp.einsum("CD,DV->CV", h.astype(compute_dtype), w, preferred_element_type=jnp.float32)
@@ -72,6 +80,36 @@ def even_chunks(n: int, chunk: int) -> tuple[int, int]:
         raise ValueError(f"even_chunks needs n >= 1 and chunk >= 1, got n={n}, chunk={chunk}")
     count = math.ceil(n / chunk)
     return count, math.ceil(n / count)
+
+
+def batch_chunks(x: jax.Array, chunk: int) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """x [N, ...] (items in batch-row order) -> ([n, S*c, ...], unchunk) for a ``lax.map`` over
+    n chunks whose every chunk is split over the batch axes like the rows: each of the S
+    ``batch_shards`` contributes c of its own N/S items to each chunk (``even_chunks(N/S, chunk)``),
+    so no device computes another's items, and ``chunk`` bounds the items per device per chunk.
+    ``unchunk`` maps a [n, S*c, ...] result back to [N, ...]. One device (or N not divisible by
+    S): S = 1, the plain chunking."""
+    N, rest = x.shape[0], x.shape[1:]
+    S = batch_shards()
+    if N % S:
+        S = 1
+    per = N // S
+    n, c = even_chunks(per, chunk)
+    x = jnp.pad(x.reshape(S, per, *rest), ((0, 0), (0, n * c - per)) + ((0, 0),) * len(rest))
+    x = jnp.swapaxes(x.reshape(S, n, c, *rest), 0, 1).reshape(n, S * c, *rest)
+    x = constrain(x, (None, "batch") + (None,) * len(rest))
+
+    def unchunk(y: jax.Array) -> jax.Array:
+        more = y.shape[2:]
+        y = jnp.swapaxes(y.reshape(n, S, c, *more), 0, 1).reshape(S, n * c, *more)
+        return y[:, :per].reshape(N, *more)
+
+    return x, unchunk
+
+
+def in_batch(x: jax.Array) -> jax.Array:
+    """One chunk [C, ...] of ``batch_chunks`` kept split over the batch axes inside the loop."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
 
 def chunked_token_loss(
@@ -97,32 +135,33 @@ def chunked_token_loss(
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"unknown loss kind {kind!r} (ce | kl)")
-    N, D = draft_hidden.shape
-    n_chunks, chunk = even_chunks(N, chunk)
-    pad = n_chunks * chunk - N
     target_logits = lm_head_logits(lm_head, compute_dtype)
     if draft_logits is None:
         draft_logits = target_logits
-    dh = jnp.pad(draft_hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+    # Chunks split over the batch axes like the rows (``batch_chunks``), the head like HEAD_AXES.
+    dh, unchunk = batch_chunks(draft_hidden, chunk)
     if labels is not None and kind != "ce":
         raise ValueError("precomputed labels only apply to the ce loss")
     if labels is None:
         if target_hidden is None:
             raise ValueError("chunked_token_loss needs target_hidden or labels")
         th = jax.lax.stop_gradient(target_hidden)
-        th = jnp.pad(th, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+        th, _ = batch_chunks(th, chunk)
 
     if kind == "ce":
         # Labels need no gradient: one pass for them over the target's logits.
         if labels is None:
-            labels = jax.lax.map(lambda t: jnp.argmax(target_logits(t), axis=-1).astype(jnp.int32), th)
+            labels = jax.lax.map(
+                lambda t: jnp.argmax(target_logits(in_batch(t)), axis=-1).astype(jnp.int32), th
+            )
         else:
-            labels = jnp.pad(labels.astype(jnp.int32), (0, pad)).reshape(n_chunks, chunk)
+            labels, _ = batch_chunks(labels.astype(jnp.int32), chunk)
         aux = labels
     else:
         aux = th
-    loss, correct, label = jax.lax.map(_fused_chunk(draft_logits, target_logits, kind), (dh, aux))
-    return loss.reshape(-1)[:N], correct.reshape(-1)[:N], label.reshape(-1)[:N]
+    fused = _fused_chunk(draft_logits, target_logits, kind)
+    loss, correct, label = jax.lax.map(lambda args: fused(jax.tree.map(in_batch, args)), (dh, aux))
+    return unchunk(loss), unchunk(correct), unchunk(label)
 
 
 def _fused_chunk(draft_logits, target_logits, kind: str):
@@ -244,16 +283,13 @@ def target_argmax(hidden: jax.Array, lm_head: jax.Array, *, chunk: int = 1024):
     which a drafter computing in bf16 would flip at near ties (0.5 % of the demo's labels with an
     fp32 target)."""
     lead, D = hidden.shape[:-1], hidden.shape[-1]
-    flat = jax.lax.stop_gradient(hidden).reshape(-1, D)
-    N = flat.shape[0]
-    n_chunks, chunk = even_chunks(N, chunk)
-    flat = jnp.pad(flat, ((0, n_chunks * chunk - N), (0, 0))).reshape(n_chunks, chunk, D)
+    flat, unchunk = batch_chunks(jax.lax.stop_gradient(hidden).reshape(-1, D), chunk)
     logits = lm_head_logits(lm_head, lm_head.dtype)
 
     def one(h):
-        return jnp.argmax(logits(h), axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits(in_batch(h)), axis=-1).astype(jnp.int32)
 
-    return jax.lax.map(one, flat).reshape(-1)[:N].reshape(lead)
+    return unchunk(jax.lax.map(one, flat)).reshape(lead)
 
 
 def block_metrics(correct: jax.Array, item_mask: jax.Array, anchor_valid: jax.Array):

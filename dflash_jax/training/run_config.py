@@ -136,7 +136,9 @@ class TrainSection:
     loss_weighting: Literal["decay", "uniform", "dpace"] = "decay"  # see training/loss.py
     gamma: float | None = None  # decay only; default by block size: 16 -> 7, 10 -> 5, 8 -> 4
     dpace_alpha: float = 0.5  # dpace only: s_k = (1 - alpha) exp(-CE_k) + alpha
-    loss_chunk: int = 1024  # at most this many slots (positions) per vocabulary-sized matmul; split evenly
+    # at most this many slots (positions) per device per vocabulary-sized matmul, split evenly;
+    # each device's chunk holds its own rows' slots (loss.batch_chunks)
+    loss_chunk: int = 1024
     # The dtype the drafter's and its vocabulary head's products are formed in (fp32 accumulation,
     # fp32 master weights and optimizer state either way)
     compute_dtype: ComputeDtype = "float32"

@@ -23,8 +23,10 @@ import optax
 from flax import nnx
 
 from dflash_jax.dtypes import to_dtype
+from dflash_jax.sharding import constrain
 from dflash_jax.training.anchors import greedy_slots, sample_anchors, slot_targets
 from dflash_jax.training.loss import (
+    HEAD_AXES,
     block_metrics,
     chunked_token_loss,
     slot_loss_denominator,
@@ -224,7 +226,8 @@ def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels:
     )
     draft = forward(drafter, features, batch["positions"], batch["segment_ids"], anchors, valid, embeds)
     dtype = to_dtype(cfg.compute_dtype)
-    head = drafter.head_weight(target)  # the N rows of lm_head, gathered once, not per loss chunk
+    # The N rows of lm_head, gathered once (and placed as the loss's HEAD_AXES), not per loss chunk.
+    head = constrain(drafter.head_weight(target), HEAD_AXES)
     draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab[...]
     loss, extra = block_loss(
         draft,
