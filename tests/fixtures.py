@@ -69,3 +69,35 @@ class StubTarget:
 
     def logits(self, hidden):
         return hidden @ self.lm_head
+
+
+def read_all_records(index) -> list[dict]:
+    """Every record of a data index (``data.sources.RecordSource``), in order."""
+    from dflash_jax.data.sources import RecordSource
+
+    src = RecordSource(index)
+    try:
+        return [src[i] for i in range(len(src))]
+    finally:
+        src.close()
+
+
+def masked_runs(tok, ids, mask) -> list[str]:
+    """Decode each maximal run of masked (trained) tokens."""
+    runs, i = [], 0
+    while i < len(ids):
+        if mask[i]:
+            j = i
+            while j < len(ids) and mask[j]:
+                j += 1
+            runs.append(tok.decode([int(t) for t in ids[i:j]]))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def hf_ids(tok, messages, **kw) -> list[int]:
+    """transformers' own chat-template token ids (a list whatever the version returns)."""
+    out = tok.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -6,6 +6,7 @@ token ids must be exactly what HF's own ``apply_chat_template(tokenize=True)`` p
 
 import numpy as np
 import pytest
+from fixtures import hf_ids, masked_runs
 from transformers import AutoTokenizer
 
 from dflash_jax import assets
@@ -34,26 +35,6 @@ CONV = [
     {"role": "user", "content": "Now some code."},
     {"role": "assistant", "content": "```python\ndef f(x):\n    return x * 2\n```\nDone.  "},
 ]
-
-
-def masked_runs(tok, ids, mask):
-    """Decode each maximal run of masked tokens."""
-    runs, i = [], 0
-    while i < len(ids):
-        if mask[i]:
-            j = i
-            while j < len(ids) and mask[j]:
-                j += 1
-            runs.append(tok.decode(ids[i:j].tolist()))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
-def hf_ids(tok, messages, **kw):
-    out = tok.apply_chat_template(messages, tokenize=True, **kw)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def replies(messages):

@@ -9,6 +9,7 @@ import pickle
 import datasets
 import numpy as np
 import pytest
+from fixtures import hf_ids, masked_runs, read_all_records
 
 from dflash_jax.data import pipeline, sources
 from dflash_jax.data.chat import tokenize_conversation
@@ -38,33 +39,6 @@ def _bad_role(i):
     return rec
 
 
-def _read_all(index):
-    src = RecordSource(index)
-    try:
-        return [src[i] for i in range(len(src))]
-    finally:
-        src.close()
-
-
-def _trained_runs(tok, ids, mask):
-    runs, i = [], 0
-    while i < len(ids):
-        if mask[i]:
-            j = i
-            while j < len(ids) and mask[j]:
-                j += 1
-            runs.append(tok.decode(list(ids[i:j])))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
-def _hf_ids(tok, messages, **kw):
-    out = tok.apply_chat_template(messages, tokenize=True, **kw)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 def _bad_record_is_named(path, origin, reason, message):
     """fail: raised naming ``origin``; skip: counted, its first origin kept, refused above the limit."""
     with pytest.raises(BadRecordError, match=rf"^{origin}: .*{message}") as exc:
@@ -86,7 +60,7 @@ def test_parquet_file_is_read_row_by_row_and_names_the_bad_row(tmp_path):
     p = tmp_path / "chats.parquet"
     datasets.Dataset.from_list(recs).to_parquet(str(p))
     index = _bad_record_is_named(p, f"{p}:row 2", "unknown_role", "unknown role 'robot'")
-    got = _read_all(index)
+    got = read_all_records(index)
     assert [(r["id"], r["messages"]) for r in got] == [
         (r["id"], r["messages"]) for r in (recs[0], recs[1], recs[3])
     ]
@@ -108,7 +82,7 @@ def test_save_to_disk_directory_through_the_pipeline(tmp_path):
     d = tmp_path / "saved"
     datasets.Dataset.from_list(recs).save_to_disk(str(d))
     index = _bad_record_is_named(d, f"{d}:row 3", "unknown_role", "unknown role 'robot'")
-    assert [r["id"] for r in _read_all(index)] == ["r0", "r1", "r2"]
+    assert [r["id"] for r in read_all_records(index)] == ["r0", "r1", "r2"]
 
     # a grain worker gets a pickled source and opens the table itself
     src = pickle.loads(pickle.dumps(RecordSource(index)))
@@ -134,9 +108,9 @@ def test_save_to_disk_splits_and_plain_directories(tmp_path):
     d = tmp_path / "dict"
     dd.save_to_disk(str(d))
     index, _ = index_sources([str(d)])
-    assert [r["id"] for r in _read_all(index)] == ["r0", "r1"]  # the train split
+    assert [r["id"] for r in read_all_records(index)] == ["r0", "r1"]  # the train split
     index, _ = index_sources([str(d / "test")])
-    assert [r["id"] for r in _read_all(index)] == ["r2"]
+    assert [r["id"] for r in read_all_records(index)] == ["r2"]
     del dd["train"]
     dd["validation"] = datasets.Dataset.from_list([_chat(3)])
     d2 = tmp_path / "no-train"
@@ -171,7 +145,7 @@ def test_pre_tokenized_rows_are_trained_as_they_are(qwen, tmp_path, caplog):
     d = tmp_path / "tokens"
     datasets.Dataset.from_list(rows).with_format("numpy").save_to_disk(str(d))  # saved with its format
     index = _bad_record_is_named(d, f"{d}:row 2", "bad_tokens", "'input_ids' has 4 tokens but 'loss_mask' 3")
-    recs = _read_all(index)
+    recs = read_all_records(index)
     assert [(r["input_ids"], r["loss_mask"]) for r in recs] == [
         (rows[i]["input_ids"], rows[i]["loss_mask"]) for i in (0, 1, 3)
     ]
@@ -249,15 +223,15 @@ def test_tool_calls_reach_the_template_and_train_the_calls(qwen, tmp_path):
     lines.insert(1, bad)  # line 2
     p.write_text("".join(json.dumps(r) + "\n" for r in lines))
     index = _bad_record_is_named(p, f"{p}:2", "bad_tool_calls", r"tool_calls\[0\] has no 'function'")
-    rec = _read_all(index)[0]
+    rec = read_all_records(index)[0]
     assert rec["tools"] == TOOLS
     assert [m["role"] for m in rec["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert rec["messages"][1]["content"] == "" and rec["messages"][2]["tool_call_id"] == "c1"
 
     ids, mask = tokenize_conversation(qwen, rec["messages"], tools=rec["tools"], enable_thinking=False)
-    assert ids.tolist() == _hf_ids(qwen, rec["messages"], tools=TOOLS, enable_thinking=False)
+    assert ids.tolist() == hf_ids(qwen, rec["messages"], tools=TOOLS, enable_thinking=False)
     assert "get_weather" in qwen.decode(ids[: int(np.argmax(mask))])  # the tool schema is in the prompt
-    assert _trained_runs(qwen, ids, mask) == [
+    assert masked_runs(qwen, ids, mask) == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
         "It is 21 °C in Paris.<|im_end|>",
     ]  # the tool result and the prompts are never trained
@@ -277,10 +251,10 @@ def test_tool_calls_from_a_parquet_table(qwen, tmp_path):
     p = tmp_path / "tools.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(p))
     index = _bad_record_is_named(p, f"{p}:row 3", "bad_tools", "'tools' is a string but not JSON")
-    rec = _read_all(index)[0]
+    rec = read_all_records(index)[0]
     assert rec["tools"] == TOOLS and "tool_calls" not in rec["messages"][0]
     ids, mask = tokenize_conversation(qwen, rec["messages"], tools=rec["tools"], enable_thinking=False)
-    runs = _trained_runs(qwen, ids, mask)
+    runs = masked_runs(qwen, ids, mask)
     assert runs[0].startswith("<tool_call>") and '"city": "Paris"' in runs[0] and len(runs) == 2
 
 
@@ -307,7 +281,7 @@ def test_content_parts_are_joined(qwen, tmp_path):
     p.write_text("[\n" + ",\n".join(json.dumps(r) for r in (parts, image, parts, parts)) + "\n]\n")
     origin = f"{p}:3"
     index = _bad_record_is_named(p, origin, "non_text_content", "content part 0 is 'image_url'")
-    rec = _read_all(index)[0]
+    rec = read_all_records(index)[0]
     joined = [
         {"role": "system", "content": "Be terse."},
         {"role": "user", "content": "2+2?"},
@@ -315,8 +289,8 @@ def test_content_parts_are_joined(qwen, tmp_path):
     ]
     assert rec["messages"] == joined
     ids, mask = tokenize_conversation(qwen, rec["messages"], enable_thinking=False)
-    assert ids.tolist() == _hf_ids(qwen, joined, enable_thinking=False)
-    assert _trained_runs(qwen, ids, mask) == ["4<|im_end|>"]
+    assert ids.tolist() == hf_ids(qwen, joined, enable_thinking=False)
+    assert masked_runs(qwen, ids, mask) == ["4<|im_end|>"]
 
 
 def test_written_chat_files_keep_tool_calls(tmp_path):
@@ -342,5 +316,5 @@ def test_json_and_table_sources_together(tmp_path):
     q = tmp_path / "b.parquet"
     datasets.Dataset.from_list([_chat(i) for i in range(2, 5)]).to_parquet(str(q))
     index, report = index_sources([str(p), str(q)], max_records=4)
-    assert [r["origin"] for r in _read_all(index)] == [f"{p}:1", f"{p}:2", f"{q}:row 0", f"{q}:row 1"]
+    assert [r["origin"] for r in read_all_records(index)] == [f"{p}:1", f"{p}:2", f"{q}:row 0", f"{q}:row 1"]
     assert [s.records_kept for s in report.sources] == [2, 2] and report.sources[1].stopped_at_max_records

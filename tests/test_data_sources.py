@@ -4,6 +4,7 @@ import json
 import logging
 
 import pytest
+from fixtures import read_all_records
 
 from dflash_jax.data import sources
 from dflash_jax.data.sources import BadRecordError, RecordSource, index_sources
@@ -39,19 +40,11 @@ def _write_array(path, records, *, cut_bytes=0):
     return text
 
 
-def _read_all(index):
-    src = RecordSource(index)
-    try:
-        return [src[i] for i in range(len(src))]
-    finally:
-        src.close()
-
-
 def test_normalisation_maps_speakers_and_trims_trailing_user(tmp_path):
     p = tmp_path / "chats.json"
     _write_array(p, GOOD)
     index, report = index_sources([str(p)], on_bad_record="fail")
-    recs = _read_all(index)
+    recs = read_all_records(index)
     assert [r["id"] for r in recs] == ["a", "b", "c", "chats.json:" + str(index.line[3])]
     assert recs[0]["messages"] == [
         {"role": "user", "content": "Hi ünïcödé ✓ 你好"},

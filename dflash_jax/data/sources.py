@@ -775,7 +775,9 @@ def index_sources(
                 groups.append(
                     f"{label}:{_SHAREGPT_PART.sub('', rec['id'])}" if label == SHAREGPT else keys[-1]
                 )
-                first_user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
+                # pre-tokenized rows carry no turns: no prompt to compare across the splits
+                turns = rec.get("messages", ())
+                first_user = next((m["content"] for m in turns if m["role"] == "user"), None)
                 prompts.append(prompt_key(first_user))
                 full = max_records is not None and len(keys) >= max_records
             if full:

@@ -16,13 +16,12 @@ tests, then the problem's code in a python block.
 from __future__ import annotations
 
 import gzip
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from dflash_jax.decoding.evaluation import PromptError, turns_of
+from dflash_jax.decoding.evaluation import PromptError, jsonl_objects, turns_of
 
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
 
@@ -61,25 +60,6 @@ class BenchmarkSet:
         return self.read(self.path(), limit)
 
 
-def _jsonl_objects(path: Path, lines, limit: int | None):
-    """(``file:line``, object) of each non-empty line, up to ``limit`` objects."""
-    n_out = 0
-    for n, line in enumerate(lines, 1):
-        if limit is not None and n_out >= limit:
-            return
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptError(f"{where}: not valid JSON ({e})") from e
-        if not isinstance(obj, dict):
-            raise PromptError(f"{where}: expected a JSON object")
-        n_out += 1
-        yield where, obj
-
-
 def _read_mt_bench(path: Path, limit: int | None) -> list[dict]:
     with path.open() as f:
         return [
@@ -88,14 +68,14 @@ def _read_mt_bench(path: Path, limit: int | None) -> list[dict]:
                 "turns": turns_of(obj, where),
                 "category": obj.get("category"),
             }
-            for where, obj in _jsonl_objects(path, f, limit)
+            for where, obj in jsonl_objects(path, f, limit)
         ]
 
 
 def _read_humaneval(path: Path, limit: int | None) -> list[dict]:
     out = []
     with gzip.open(path, "rt") as f:
-        for where, obj in _jsonl_objects(path, f, limit):
+        for where, obj in jsonl_objects(path, f, limit):
             if not isinstance(obj.get("prompt"), str) or "task_id" not in obj:
                 raise PromptError(f"{where}: a HumanEval problem needs 'task_id' and a string 'prompt'")
             out.append(

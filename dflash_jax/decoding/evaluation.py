@@ -108,16 +108,7 @@ def load_prompts(
 
     prompts = []
     with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{where}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict):
-                raise PromptError(f"{where}: expected a JSON object")
+        for where, obj in jsonl_objects(path, f, limit):
             if "input_ids" in obj:
                 ids = obj["input_ids"]
                 if (
@@ -143,11 +134,28 @@ def load_prompts(
                     f"{where}: needs one of 'input_ids', 'prompt', 'question', 'messages', 'turns'"
                 )
             prompts.append({"id": str(obj.get("id", len(prompts))), **record})
-            if limit is not None and len(prompts) >= limit:
-                break
     if not prompts:
         raise PromptError(f"{path}: no prompts")
     return prompts
+
+
+def jsonl_objects(path: Path, lines, limit: int | None):
+    """(``file:line``, object) of each non-empty line, up to ``limit`` objects."""
+    n_out = 0
+    for n, line in enumerate(lines, 1):
+        if limit is not None and n_out >= limit:
+            return
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{where}: not valid JSON ({e})") from e
+        if not isinstance(obj, dict):
+            raise PromptError(f"{where}: expected a JSON object")
+        n_out += 1
+        yield where, obj
 
 
 # ------------------------------------------------------------------------------------------
