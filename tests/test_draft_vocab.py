@@ -1,9 +1,10 @@
 """Reduced draft vocabulary (invariant 9, ``drafter.draft_vocab_size``): choice, loss, decoding,
 export/import and resume.
 
-References: the loss against a NumPy transcription of the rule (``ce``: a label outside the set
-leaves the loss and the normaliser; ``kl``: the target's softmax restricted to the set and
-renormalised), decoding against plain greedy decoding of the target, and the speculators layout
+References: the loss and its metrics against a NumPy transcription of the rule (under ``ce`` and
+``kl`` alike a slot whose label, the target's argmax over all V, is outside the set leaves the loss
+and the normaliser and scores wrong; ``kl`` trains the rest on the target's softmax restricted to
+the set and renormalised; D-PACE weighs by exp(-CE) on the label), decoding against plain greedy decoding of the target, and the speculators layout
 against speculators 0.9.0 itself where it is installed.
 """
 
