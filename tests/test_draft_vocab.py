@@ -319,7 +319,8 @@ def test_label_coverage_metric(target, kind):
     assert float(apply_train_step(every, opt, target, batch, key, cfg, 0.0)["label_coverage"]) == 1.0
 
 
-def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
+@pytest.mark.parametrize("kind, weighting", [("ce", "decay"), ("kl", "dpace")])
+def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target, kind, weighting):
     """The normaliser (trained, in-set slots over the whole batch) does not depend on the split."""
     from flax import nnx
 
@@ -328,7 +329,7 @@ def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
     batch, key = _batch(), jax.random.key(4)
     out = {}
     for m in (1, 2):
-        cfg = TrainSection(max_anchors=6, loss_chunk=32, micro_batches=m)
+        cfg = TrainSection(max_anchors=6, loss_chunk=32, micro_batches=m, loss=kind, loss_weighting=weighting)
         drafter = _drafter(target)
         opt = nnx.Optimizer(drafter, make_optimizer(cfg), wrt=nnx.Param)
         metrics = apply_train_step(drafter, opt, target, batch, key, cfg, 1e-2)
@@ -338,8 +339,12 @@ def test_micro_batches_equal_the_full_batch_with_a_draft_vocab(target):
             flatten(jax.device_get(get_params(drafter))),
         )
     assert out[1][0] == pytest.approx(out[2][0], rel=1e-5) and out[1][1] == pytest.approx(out[2][1], rel=1e-6)
+    # Adam's first step is lr * g / (|g| + eps): a weight whose gradient is near eps (1e-8) moves by
+    # a visibly different fraction of lr for float-order differences of g (kl/dpace: gradients of the
+    # two splits agree to 1e-8, some are 3e-9), hence atol 1% of lr there
+    atol = 2e-5 if kind == "ce" else 1e-4
     for k, v in out[1][2].items():
-        np.testing.assert_allclose(out[2][2][k], v, rtol=1e-4, atol=2e-5, err_msg=k)
+        np.testing.assert_allclose(out[2][2][k], v, rtol=1e-4, atol=atol, err_msg=k)
 
 
 # --------------------------------------------------------------------------- decoding
