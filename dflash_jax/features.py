@@ -1,8 +1,8 @@
 """Build the offline feature cache: ``python -m dflash_jax.features --config CONFIG [key=value ...] --out DIR``.
 
 Runs the frozen target once (jit, on the run's mesh) over one epoch of the run's packed training
-rows and stores per row the drafter's tapped features, the labels (``train.loss: ce``: the target's
-argmax per position; ``kl``: the final normed hidden state) and the row arrays. A run with
+rows and stores per row the drafter's tapped features, the labels (the target's argmax per
+position; with ``train.loss: kl`` also the final normed hidden state) and the row arrays. A run with
 ``data.features: DIR`` then trains without running the target. The format, and the check that a
 cache matches its run, live in ``dflash_jax/training/feature_cache.py``.
 

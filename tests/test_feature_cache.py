@@ -70,10 +70,11 @@ def test_cache_training_equals_online(cache, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_kl_cache_training_equals_online(tmp_path):
-    """train.loss=kl stores the final normed hidden state; the loss from it equals online (1e-5)."""
-    kl = ["train.loss=kl"]
+    """train.loss=kl stores the final normed hidden state and the target's argmax; the loss from
+    them equals online (1e-5), with a draft vocabulary (whose mask reads the argmax) too."""
+    kl = ["train.loss=kl", "drafter.draft_vocab_size=64"]
     build(tiny(tmp_path / "build", *kl), tmp_path / "cache", quiet=True)
-    assert FeatureCache(tmp_path / "cache").names[-1] == "hidden"
+    assert {"hidden", "labels"} <= set(FeatureCache(tmp_path / "cache").names)
     run(tiny(tmp_path / "online", *kl), quiet=True)
     run(tiny(tmp_path / "cached", *kl, f"data.features={tmp_path / 'cache'}"), quiet=True)
     lo, lc = losses(tmp_path / "online"), losses(tmp_path / "cached")
@@ -121,7 +122,8 @@ def test_ce_labels_identity_follows_the_target_not_the_drafters_dtype():
 
     fp32, bf16 = TrainSection(compute_dtype="float32"), TrainSection(compute_dtype="bfloat16")
     assert labels_identity(fp32) == labels_identity(bf16) == {"loss": "ce", "argmax_dtype": "target"}
-    assert labels_identity(TrainSection(loss="kl")) == {"loss": "kl"}
+    # kl caches store the same argmax beside the hidden state; earlier ones stored only the latter
+    assert labels_identity(TrainSection(loss="kl")) == {"loss": "kl", "argmax_dtype": "target"}
 
 
 def test_target_fingerprint_is_the_files_content_not_when_they_were_prepared(tmp_path):

@@ -303,8 +303,9 @@ def test_hlo_stats_multiply_loop_bodies_by_their_trip_count():
 
 @pytest.mark.parametrize("loss", ["ce", "kl"])
 def test_plan_of_a_feature_cache_run_has_no_target_forward(loss):
-    """``data.features``: the planned step reads features and labels (or hidden states) from the
-    batch: the batch arguments grow by exactly those arrays and the target's layers run no matmul."""
+    """``data.features``: the planned step reads features and labels (and, under kl, hidden states)
+    from the batch: the batch arguments grow by exactly those arrays and the target's layers run no
+    matmul."""
     overrides = [*TINY_OVERRIDES, "data.max_length=64", "data.batch_size=8", "train.max_anchors=4",
                  f"train.loss={loss}", "target.dtype=float32"]  # fmt: skip
     online = plan.spec_for_run(load_run_config("qwen3-8b", overrides))
@@ -314,7 +315,7 @@ def test_plan_of_a_feature_cache_run_has_no_target_forward(loss):
     p_online, p_cached = plan.plan_layout(online, layout), plan.plan_layout(cached, layout)
     assert p_online.target_temp_bytes > 0 and p_cached.target_temp_bytes == 0
     R, T, H, taps = 8, 64, 128, len(cached.drafter_config.target_layer_ids)
-    per_row_token = taps * H * 4 + (H * 4 if loss == "kl" else 4)  # features + hidden (f32) or labels
+    per_row_token = taps * H * 4 + 4 + (H * 4 if loss == "kl" else 0)  # features, labels, kl: hidden (f32)
     extra = p_cached.train_argument_bytes - p_online.train_argument_bytes
     assert extra == R * T * per_row_token // 8  # rows over data x fsdp = 8 devices
     # The online step also runs the 2-layer target: its matmul FLOPs are strictly more.

@@ -200,16 +200,25 @@ def test_chunked_loss_matches_dense_and_fits_memory():
     dh, th = jax.random.normal(key, (2, N, D))
     W = jax.random.normal(jax.random.key(1), (D, V)) * 0.3
     for kind in ("ce", "kl"):
-        loss, correct, label = chunked_token_loss(dh, th, W, kind=kind, chunk=64)
+        loss, correct, label, label_ce = chunked_token_loss(dh, th, W, kind=kind, chunk=64)
         t_logp = jax.nn.log_softmax(th @ W)
         d_logp = jax.nn.log_softmax(dh @ W)
         lab = jnp.argmax(t_logp, -1)
-        if kind == "ce":
-            ref = -jnp.take_along_axis(d_logp, lab[:, None], -1)[:, 0]
-        else:
-            ref = jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), -1)
+        ce = -jnp.take_along_axis(d_logp, lab[:, None], -1)[:, 0]
+        ref = ce if kind == "ce" else jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), -1)
         np.testing.assert_allclose(np.asarray(loss), np.asarray(ref), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(label), np.asarray(lab))
+        # the cross-entropy on the label (D-PACE's estimate), the KL's too
+        np.testing.assert_allclose(np.asarray(label_ce), np.asarray(ce), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(correct), np.asarray(jnp.argmax(d_logp, -1) == lab))
+    # kl with labels given (a draft vocabulary's): correct and label_ce refer to them, the loss not
+    given = (lab + 1) % V
+    loss_g, correct_g, label_g, ce_g = chunked_token_loss(dh, th, W, kind="kl", chunk=64, labels=given)
+    np.testing.assert_allclose(np.asarray(loss_g), np.asarray(loss), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(label_g), np.asarray(given))
+    np.testing.assert_array_equal(np.asarray(correct_g), np.asarray(jnp.argmax(d_logp, -1) == given))
+    want_ce = -jnp.take_along_axis(d_logp, given[:, None], -1)[:, 0]
+    np.testing.assert_allclose(np.asarray(ce_g), np.asarray(want_ce), rtol=1e-5, atol=1e-5)
 
     # Gradients w.r.t. the drafter's hidden state (taken in the forward pass, fused) equal plain
     # autodiff of the dense loss, with a logits function that scales and soft-caps like z-lab's;

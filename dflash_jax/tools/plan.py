@@ -200,10 +200,9 @@ def abstract_batch(spec: PlanSpec, mesh: Mesh) -> dict:
         dtype, hidden = to_dtype(spec.target_dtype), spec.target_config.hidden_size
         taps = len(spec.drafter_config.target_layer_ids)
         batch["features"] = jax.ShapeDtypeStruct((rows, seq, taps * hidden), dtype, sharding=sharding)
+        batch["labels"] = s
         if spec.train_section.loss == "kl":
             batch["hidden"] = jax.ShapeDtypeStruct((rows, seq, hidden), dtype, sharding=sharding)
-        else:
-            batch["labels"] = s
     return batch
 
 

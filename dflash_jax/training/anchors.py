@@ -84,8 +84,7 @@ def greedy_slots(input_ids, label_pos, labels):
     """[R,A,B-1] bool: slot k is on the target's greedy path, i.e. every data token a+1..a+k-1
     equals the label (the target's choice) of the slot before it; slot 1 always is.
     ``input_ids`` [R,T]; ``label_pos`` [R,A,B-1] (a+k-1, ``slot_targets``); ``labels`` [R,A,B-1]
-    target ids, the loss's own (``ce``: the target's argmax; ``kl``: its argmax over the drafter's
-    vocabulary)."""
+    target ids: the target's argmax over its whole vocabulary (under either loss)."""
     R, T = input_ids.shape
     nxt = jnp.minimum(label_pos + 1, T - 1).reshape(R, -1)
     data_tokens = jnp.take_along_axis(input_ids, nxt, axis=1).reshape(label_pos.shape)  # a+k

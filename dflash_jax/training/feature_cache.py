@@ -12,7 +12,9 @@ Layout of ``DIR``::
     00000-segment_ids.npy      int32 [rows, T]
     00000-loss_mask.npy        int32 [rows, T]
     00000-features.npy         [rows, T, K*H] the raw outputs of the taps, concatenated in tap order
-    00000-labels.npy           train.loss ce: int32 [rows, T], the target's argmax at each position
+    00000-labels.npy           int32 [rows, T], the target's argmax at each position (in the target's
+                               own dtype; ``ce`` trains on it, and both losses leave out a slot
+                               whose label a draft vocabulary lacks)
     00000-hidden.npy           train.loss kl: [rows, T, H], the final normed hidden state (the loss
                                recomputes the target's logits from it through lm_head: exact, and
                                H values per position instead of a top-k approximation)
@@ -146,12 +148,11 @@ def _source_digest(path: str) -> str:
 
 
 def labels_identity(train_cfg) -> dict:
-    """What the label arrays are: ``ce`` labels are the target's argmax in its own dtype (part of the
-    target's fingerprint), whatever the drafter computes in; ``argmax_dtype`` tells them from the
-    caches of earlier versions, which took it in ``train.compute_dtype``."""
-    if train_cfg.loss == "ce":
-        return {"loss": "ce", "argmax_dtype": "target"}
-    return {"loss": train_cfg.loss}
+    """What the label arrays are: the target's argmax in its own dtype (part of the target's
+    fingerprint), whatever the drafter computes in, for either loss, plus the final hidden state
+    under ``kl``. ``argmax_dtype`` tells them from the caches of earlier versions: ``ce`` ones took
+    the argmax in ``train.compute_dtype``, ``kl`` ones did not store it."""
+    return {"loss": train_cfg.loss, "argmax_dtype": "target"}
 
 
 def run_identity(cfg, data_cfg, target_dir: Path, tokenizer, taps) -> dict:
@@ -475,12 +476,12 @@ def write_cache(
     @nnx.jit
     def target_outputs(target, batch):
         features, hidden = target_pass(target, batch, taps)
-        # The same argmax the step takes online (training/step.py block_loss); kl caches keep
-        # it only as counts, for a draft vocabulary.
+        # The same argmax the step takes online (training/step.py block_loss), from the exact
+        # hidden state even where the cache stores it in a narrower dtype.
         labels = target_argmax(hidden, target.lm_head_weight(), chunk=loss_chunk)
         if kind == "ce":
             return {"features": features, "labels": labels}
-        return {"features": features, "hidden": hidden, "count_labels": labels}
+        return {"features": features, "labels": labels, "hidden": hidden}
 
     sharding = logical_sharding(mesh, BATCH_AXES)
     stored = None if dtype is None else to_dtype(dtype)
@@ -505,8 +506,9 @@ def write_cache(
                     break
                 outputs = jax.device_get(target_outputs(target, to_global_batch(batch, sharding)))
                 record = {k: np.asarray(batch[k], np.int32) for k in ROW_ARRAYS}
-                labels = outputs.pop("count_labels", outputs.get("labels"))
-                counts += count_labels(labels, batch["loss_mask"], batch["segment_ids"], counts.shape[0])
+                counts += count_labels(
+                    outputs["labels"], batch["loss_mask"], batch["segment_ids"], counts.shape[0]
+                )
                 for name, value in outputs.items():
                     value = np.asarray(value)
                     computed[name] = dtype_name(value.dtype)

@@ -14,9 +14,11 @@ Slot weighting (``train.loss_weighting``):
 * ``uniform``: ``w_k = 1``, loss = mean over trained slots;
 * ``dpace`` (arXiv 2605.18810): ``q_k = exp(-CE_k)`` (no gradient), ``s_k = (1-alpha) q_k + alpha``
   (1 for untrained slots), ``P_k = prod_{i<=k} s_i``, ``w_k = sum_{m>=k, m trained} P_m``; loss =
-  ``sum_k w_k CE_k`` over trained slots divided by the number of trained slots in the whole
-  global batch. Every sum runs over the global batch inside one jit, so the loss does not depend
-  on how the batch is split across devices or processes.
+  ``sum_k w_k L_k`` over trained slots divided by the number of trained slots in the whole
+  global batch. ``CE_k`` is the drafter's cross-entropy on the target's argmax under either loss
+  (``q_k`` estimates the chance greedy verification accepts slot k), ``L_k`` the loss trained
+  (CE, or KL under ``loss: kl``). Every sum runs over the global batch inside one jit, so the loss
+  does not depend on how the batch is split across devices or processes.
 """
 
 from __future__ import annotations
@@ -130,8 +132,12 @@ def chunked_token_loss(
     (the one decoding uses; training passes it). None: plain ``lm_head`` (no scale, no soft-cap).
     The target's logits are always ``target_hidden @ lm_head``.
     kind "ce": cross-entropy on the target's argmax; "kl": KL(target || draft) on full softmaxes.
-    labels [N]: the target's argmax when already known (ce only; target_hidden is then unused).
-    Returns (loss [N] fp32, correct [N] bool, label [N] int32).
+    labels [N]: the target's argmax (an index into lm_head's columns) when already known. ce: the
+    label trained (target_hidden is then unused); kl: the label ``correct`` and ``label_ce`` refer
+    to (the distribution still comes from target_hidden). None: the argmax of the target's logits.
+    Returns (loss [N] fp32, correct [N] bool, label [N] int32, label_ce [N] fp32): ``label_ce`` is
+    the drafter's cross-entropy on ``label`` (= loss under ce; D-PACE's acceptance estimate under
+    kl), without gradient.
     """
     if kind not in ("ce", "kl"):
         raise ValueError(f"unknown loss kind {kind!r} (ce | kl)")
@@ -140,35 +146,33 @@ def chunked_token_loss(
         draft_logits = target_logits
     # Chunks split over the batch axes like the rows (``batch_chunks``), the head like HEAD_AXES.
     dh, unchunk = batch_chunks(draft_hidden, chunk)
-    if labels is not None and kind != "ce":
-        raise ValueError("precomputed labels only apply to the ce loss")
-    if labels is None:
+    if labels is None or kind == "kl":
         if target_hidden is None:
-            raise ValueError("chunked_token_loss needs target_hidden or labels")
+            raise ValueError(f"chunked_token_loss needs target_hidden{' or labels' if kind == 'ce' else ''}")
         th = jax.lax.stop_gradient(target_hidden)
         th, _ = batch_chunks(th, chunk)
 
+    if labels is not None:
+        labels, _ = batch_chunks(labels.astype(jnp.int32), chunk)
     if kind == "ce":
         # Labels need no gradient: one pass for them over the target's logits.
         if labels is None:
             labels = jax.lax.map(
                 lambda t: jnp.argmax(target_logits(in_batch(t)), axis=-1).astype(jnp.int32), th
             )
-        else:
-            labels, _ = batch_chunks(labels.astype(jnp.int32), chunk)
         aux = labels
-    else:
-        aux = th
+    else:  # without labels, each chunk takes the argmax of the target logits it computes anyway
+        aux = (th, labels)
     fused = _fused_chunk(draft_logits, target_logits, kind)
-    loss, correct, label = jax.lax.map(lambda args: fused(jax.tree.map(in_batch, args)), (dh, aux))
-    return unchunk(loss), unchunk(correct), unchunk(label)
+    loss, correct, label, label_ce = jax.lax.map(lambda args: fused(jax.tree.map(in_batch, args)), (dh, aux))
+    return tuple(unchunk(x) for x in (loss, correct, label, label_ce))
 
 
 def _fused_chunk(draft_logits, target_logits, kind: str):
-    """One chunk's (loss [C], correct [C], label [C]) from drafter hidden d [C,D], with its gradient
-    w.r.t. d taken in the same pass (fused linear cross-entropy): the forward pass has the chunk's
-    logits at hand, so it also pulls ``dloss/dlogits`` back through the logits function and keeps
-    only that [C,D] result. The backward pass then scales it by the incoming per-item cotangent:
+    """One chunk's (loss, correct, label, label_ce), each [C], from drafter hidden d [C,D], with the
+    loss's gradient w.r.t. d taken in the same pass (fused linear cross-entropy): the forward pass
+    has the chunk's logits at hand, so it also pulls ``dloss/dlogits`` back through the logits
+    function and keeps only that [C,D] result. The backward pass then scales it by the incoming per-item cotangent:
     two vocabulary-sized matmuls per chunk (logits, their pullback), as in a dense PyTorch step,
     where rematerialising the chunk in the backward pass costs a third. Exact because each item's
     loss depends on its own row of d only. The logits function's closed-over weights (the frozen
@@ -177,21 +181,28 @@ def _fused_chunk(draft_logits, target_logits, kind: str):
     def forward(d, aux):
         logits, pullback = jax.vjp(lambda x: draft_logits(x).astype(jnp.float32), d)
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+        def ce_at(label):
+            return lse[:, 0] - jnp.take_along_axis(logits, label[:, None], axis=-1)[:, 0]
+
         # Written as elementwise expressions of the [C,V] logits so XLA fuses them: no softmax or
         # log-softmax arrays of their own besides dlogits.
         if kind == "ce":
             label = aux
-            loss = lse[:, 0] - jnp.take_along_axis(logits, label[:, None], axis=-1)[:, 0]
+            loss = label_ce = ce_at(label)
             hot = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == label[:, None]
             dlogits = jnp.exp(logits - lse) - hot.astype(jnp.float32)
         else:
-            t_logits = target_logits(aux)
-            label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
+            t_hidden, label = aux
+            t_logits = target_logits(t_hidden)
+            if label is None:
+                label = jnp.argmax(t_logits, axis=-1).astype(jnp.int32)
+            label_ce = ce_at(label)
             t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
             loss = jnp.sum(jnp.exp(t_logits - t_lse) * ((t_logits - t_lse) - (logits - lse)), axis=-1)
             dlogits = jnp.exp(logits - lse) - jnp.exp(t_logits - t_lse)
         (d_hidden,) = pullback(dlogits)
-        return (loss, jnp.argmax(logits, axis=-1) == label, label), d_hidden
+        return (loss, jnp.argmax(logits, axis=-1) == label, label, label_ce), d_hidden
 
     @jax.custom_vjp
     def chunk_loss(d, aux):
@@ -211,8 +222,9 @@ def _fused_chunk(draft_logits, target_logits, kind: str):
 def dpace_weights(ce: jax.Array, trained: jax.Array, alpha: float = 0.5) -> jax.Array:
     """D-PACE slot weights [..., S] for slots 1..S of each block (no gradient flows through them).
 
-    ce [..., S] per-slot cross-entropy, trained [..., S] bool. ``q_k = exp(-CE_k)`` estimates the
-    chance slot k is accepted, ``P_k = prod_{i<=k} s_i`` with ``s_k = (1-alpha) q_k + alpha`` the
+    ce [..., S] per-slot cross-entropy of the drafter on the target's argmax (under ``loss: kl``
+    too: not the KL), trained [..., S] bool. ``q_k = exp(-CE_k)`` estimates the chance greedy
+    verification accepts slot k, ``P_k = prod_{i<=k} s_i`` with ``s_k = (1-alpha) q_k + alpha`` the
     (smoothed) chance the block gets that far, and ``w_k = sum_{m>=k} P_m`` over trained m: what
     getting slot k right is worth to the expected acceptance length. Untrained slots weigh 0.
     """
@@ -232,22 +244,29 @@ def weighted_slot_loss(
     scheme: str = "decay",
     gamma: float | None = None,
     dpace_alpha: float = 0.5,
+    label_ce: jax.Array | None = None,
 ) -> jax.Array:
     """Scalar training loss from per-slot losses [R, A, B-1] (slots 1..B-1) and their mask.
 
-    decay/uniform: the weighted mean over trained slots; dpace: ``sum w_k CE_k`` divided by the
+    decay/uniform: the weighted mean over trained slots; dpace: ``sum w_k loss_k`` divided by the
     global number of trained slots (see the module docstring). Sums run over the whole array.
+    label_ce: the per-slot cross-entropy on the target's argmax D-PACE weights from (None: ``loss``,
+    which is that cross-entropy under ``loss: ce``).
     """
-    total = slot_loss_sum(loss, trained, scheme=scheme, gamma=gamma, dpace_alpha=dpace_alpha)
+    total = slot_loss_sum(
+        loss, trained, scheme=scheme, gamma=gamma, dpace_alpha=dpace_alpha, label_ce=label_ce
+    )
     return total / slot_loss_denominator(trained, scheme=scheme, gamma=gamma)
 
 
-def slot_loss_sum(loss, trained, *, scheme="decay", gamma=None, dpace_alpha=0.5) -> jax.Array:
+def slot_loss_sum(loss, trained, *, scheme="decay", gamma=None, dpace_alpha=0.5, label_ce=None) -> jax.Array:
     """The numerator: ``sum_k w_k loss_k`` over trained slots (rows may be a micro-batch: D-PACE
-    weights depend only on each block's own slots)."""
+    weights depend only on each block's own slots; they come from ``label_ce`` as in
+    :func:`weighted_slot_loss`)."""
     trained = trained.astype(bool)
     if scheme == "dpace":
-        return pairwise_sum(loss * dpace_weights(loss, trained, dpace_alpha))
+        ce = loss if label_ce is None else label_ce
+        return pairwise_sum(loss * dpace_weights(ce, trained, dpace_alpha))
     w = slot_weights(loss.shape[-1] + 1, gamma, scheme)[1:] * trained
     return pairwise_sum(loss * w)
 

@@ -85,8 +85,8 @@ def target_pass(target, batch, layer_ids: tuple[int, ...]):
 
 def target_outputs(target, batch, layer_ids: tuple[int, ...]):
     """(features, hidden, per-position labels) of a batch: read from it when it carries the offline
-    feature cache's arrays (``data.features``, see training/feature_cache.py: ``features`` plus
-    ``labels`` for ``ce`` or ``hidden`` for ``kl``), else from a frozen target pass (labels None:
+    feature cache's arrays (``data.features``, see training/feature_cache.py: ``features`` and
+    ``labels``, plus ``hidden`` for ``kl``), else from a frozen target pass (labels None:
     ``block_loss`` takes the argmax itself). Which branch runs is fixed when the step is traced."""
     if "features" not in batch:
         return (*target_pass(target, batch, layer_ids), None)
@@ -119,15 +119,18 @@ def block_loss(
     """Weighted loss of the drafter's slots 1..B-1 (slot 0 is the given token: never trained).
 
     draft [R,A,B,D] drafter output; hidden [R,T,D] the target's final normed hidden state;
-    position_labels [R,T]: the target's argmax per position, already computed (``ce`` from the
-    offline feature cache; then ``hidden`` may be None);
+    position_labels [R,T]: the target's argmax per position, already computed (the offline
+    feature cache's; under ``ce`` ``hidden`` may then be None), else taken from ``hidden``;
     draft_logits: the drafter's logits function, [C,D] -> [C,N] (``drafter.logits``, the one
     decoding uses; None: plain lm_head). Which slots train: ``anchors.slot_targets``.
     draft_vocab [N] int32: the target ids the drafter's N logits stand for (invariant 9), or None
-    (N = V). ``ce``: a slot whose label (the target's argmax over all V) is outside them is left out
-    of the loss, numerator and normaliser alike, and counted (``label_coverage``); ``kl``: the
-    target's distribution restricted to the N ids and renormalised (over ``draft_head``, the
-    drafter's already gathered ``lm_head[:, draft_vocab]``, when given: one gather per step).
+    (N = V). Under both losses a slot whose label (the target's argmax over all V) is outside them
+    is left out of the loss, numerator and normaliser alike, counted (``label_coverage``) and
+    scored wrong (``slot_acc``, streak: right only when the drafter's argmax is that label);
+    ``kl`` trains the other slots on the target's distribution restricted to the N ids and
+    renormalised (over ``draft_head``, the drafter's already gathered ``lm_head[:, draft_vocab]``,
+    when given: one gather per step). D-PACE weighs every slot by the drafter's cross-entropy on
+    its label, under ``kl`` too.
     input_ids [R,T]: the batch's tokens, for ``train.greedy_slots`` (a slot off the target's greedy
     path carries no loss; ``anchors.greedy_slots``).
     """
@@ -136,27 +139,27 @@ def block_loss(
     dtype = to_dtype(cfg.compute_dtype)
     in_vocab = jnp.ones_like(item_mask)
     head = lm_head
-    if cfg.loss == "ce":
-        # Blocks overlap, so the target's argmax is taken once per position and gathered per slot.
-        per_position = position_labels
-        if per_position is None:
-            per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk)  # [R,T]
-        slot_labels = gather_positions(per_position, label_pos).reshape(-1)
-        target_labels = slot_labels
-        target_h = None
-        if draft_vocab is not None:
-            to_draft = jnp.full((lm_head.shape[1],), -1, jnp.int32)
-            to_draft = to_draft.at[draft_vocab].set(jnp.arange(draft_vocab.shape[0], dtype=jnp.int32))
-            draft_labels = to_draft[slot_labels]
-            in_vocab = (draft_labels >= 0).reshape(R, A, B - 1)
-            slot_labels = jnp.maximum(draft_labels, 0)
-    else:
-        slot_labels = None
+    # Under both losses a slot's label is the target's argmax over all V: ce trains it; it decides
+    # whether a draft vocabulary holds the slot and whether the drafter's argmax is right. Blocks
+    # overlap, so it is taken once per position and gathered per slot.
+    per_position = position_labels
+    if per_position is None:
+        per_position = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk)  # [R,T]
+    labels = gather_positions(per_position, label_pos).reshape(-1)  # target ids
+    slot_labels = labels  # indices into the drafter's logits: draft ids with a draft vocabulary
+    if draft_vocab is not None:
+        to_draft = jnp.full((lm_head.shape[1],), -1, jnp.int32)
+        to_draft = to_draft.at[draft_vocab].set(jnp.arange(draft_vocab.shape[0], dtype=jnp.int32))
+        draft_labels = to_draft[labels]
+        in_vocab = (draft_labels >= 0).reshape(R, A, B - 1)
+        slot_labels = jnp.maximum(draft_labels, 0)
+    target_h = None
+    if cfg.loss == "kl":
         target_h = gather_positions(hidden, label_pos).reshape(-1, D)
         if draft_vocab is not None:  # the drafter's own N rows when the caller has them gathered
             head = draft_head if draft_head is not None else jnp.take(lm_head, draft_vocab, axis=1)
             head = jax.lax.stop_gradient(head)
-    loss_i, correct, labels = chunked_token_loss(
+    loss_i, correct, _, label_ce = chunked_token_loss(
         draft[:, :, 1:].reshape(-1, D),
         target_h,
         head,
@@ -166,10 +169,6 @@ def block_loss(
         compute_dtype=dtype,
         labels=slot_labels,
     )
-    if cfg.loss == "ce":  # report target ids (a label outside the draft vocabulary too)
-        labels = target_labels
-    elif draft_vocab is not None:
-        labels = jnp.take(draft_vocab, labels, axis=0)
     covered = item_mask & in_vocab
     trained = covered
     if getattr(cfg, "greedy_slots", False):
@@ -183,6 +182,7 @@ def block_loss(
         scheme=cfg.loss_weighting,
         gamma=cfg.gamma,
         dpace_alpha=cfg.dpace_alpha,
+        label_ce=label_ce.reshape(R, A, B - 1),
     )
     denominator = slot_loss_denominator(trained, scheme=cfg.loss_weighting, gamma=cfg.gamma)
     per_slot, streak = block_metrics(correct, item_mask, anchor_valid)
