@@ -1,7 +1,7 @@
 """dflash-jax: train DFlash block-diffusion drafters for speculative decoding in JAX/Flax.
 
 Public API (names kept stable; resolved lazily so ``import dflash_jax`` stays cheap):
-  load_target(path, *, dtype="float32", mesh=None)   HF model dir -> target model
+  load_target(path, *, dtype="float32", mesh=None, attention_impl="auto")   HF model dir -> target model
   DrafterConfig, init_drafter(config, target, rng), load_drafter(path, target)
 """
 

@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
     target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
-    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
+    target = dflash_jax.load_target(
+        target_dir, dtype=cfg.target.dtype, attention_impl=cfg.target.attention_impl
+    )
     drafter_path = opts.drafter or config.run_dir
     # The drafter is checked against the target (sizes, layer ids) before anything runs.
     drafter = load_drafter(

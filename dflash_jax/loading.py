@@ -29,11 +29,14 @@ from dflash_jax.target.model import TargetModel
 log = logging.getLogger(__name__)
 
 
-def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) -> TargetModel:
+def load_target(
+    path: str | Path, *, dtype="float32", mesh: Mesh | None = None, attention_impl: str = "auto"
+) -> TargetModel:
     """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 HF checkpoint directory (config.json + safetensors).
 
     Weights are read tensor by tensor and placed straight onto ``mesh`` (default: one device)
     with their logical-axis shardings; the checkpoint must match config.json exactly.
+    ``attention_impl``: the target's attention, ``auto`` | ``xla`` | ``pallas`` (``target/attention.py``).
     """
     path = Path(path)
     if not path.is_dir():
@@ -44,7 +47,9 @@ def load_target(path: str | Path, *, dtype="float32", mesh: Mesh | None = None) 
     if mesh is None:
         mesh = make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: build_target_model(config, dtype=dt, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: build_target_model(config, dtype=dt, rngs=nnx.Rngs(0), attention_impl=attention_impl)
+    )
     model = load_weights_into(abstract, reader, config, mesh, dt)
     model.mesh = mesh
     log.info(

@@ -11,8 +11,8 @@ from flax import nnx
 
 from dflash_jax.target import attention
 from dflash_jax.target.attention import (
-    attend,
     attend_reference,
+    attend_xla,
     cache_attention_mask,
     self_attention_mask,
 )
@@ -48,7 +48,7 @@ def test_tiled_matches_dense_on_packed_documents(q_tile, kv_tile):
     seg = _packed_segments(B, T, np.random.default_rng(0))
     mask = self_attention_mask(B, T, seg)
     want = attend_reference(q, k, v, *mask, 0.3)
-    got = attend(q, k, v, *mask, 0.3, q_tile=q_tile, kv_tile=kv_tile)
+    got = attend_xla(q, k, v, *mask, 0.3, q_tile=q_tile, kv_tile=kv_tile)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -59,7 +59,7 @@ def test_tiled_matches_dense_with_cache_and_ragged_lengths():
     lengths = jnp.array([0, 17, 40], jnp.int32)
     mask = cache_attention_mask(lengths, T, S)
     want = attend_reference(q, k, v, *mask, 0.25)
-    got = attend(q, k, v, *mask, 0.25, q_tile=4, kv_tile=8)
+    got = attend_xla(q, k, v, *mask, 0.25, q_tile=4, kv_tile=8)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     # Stale entries past each row's bound are masked (large garbage changes nothing), and KV tiles
     # past the batch's last bound (here keys >= 48) are never read at all (NaN changes nothing).
@@ -67,7 +67,7 @@ def test_tiled_matches_dense_with_cache_and_ragged_lengths():
     stale = s_idx > (lengths[:, None, None, None] + T - 1)
     k2, v2 = jnp.where(stale, 1e3, k), jnp.where(stale, 1e3, v)
     k2, v2 = jnp.where(s_idx >= 48, jnp.nan, k2), jnp.where(s_idx >= 48, jnp.nan, v2)
-    got2 = attend(q, k2, v2, *mask, 0.25, q_tile=4, kv_tile=8)
+    got2 = attend_xla(q, k2, v2, *mask, 0.25, q_tile=4, kv_tile=8)
     np.testing.assert_allclose(np.asarray(got2), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -77,9 +77,9 @@ def test_segment_mask_isolates_documents():
     q, k, v = _qkv(B, T, T, N, K, H, seed=2)
     seg = jnp.asarray(np.r_[np.ones(17), 2 * np.ones(23)].astype(np.int32))[None]
     mask = self_attention_mask(B, T, seg)
-    a = attend(q, k, v, *mask, 0.5, q_tile=8, kv_tile=8)
+    a = attend_xla(q, k, v, *mask, 0.5, q_tile=8, kv_tile=8)
     k2 = k.at[:, :17].set(-k[:, :17])
-    b = attend(q, k2, v, *mask, 0.5, q_tile=8, kv_tile=8)
+    b = attend_xla(q, k2, v, *mask, 0.5, q_tile=8, kv_tile=8)
     np.testing.assert_allclose(np.asarray(a[:, 17:]), np.asarray(b[:, 17:]), atol=1e-6)
     assert not np.allclose(np.asarray(a[:, :17]), np.asarray(b[:, :17]))
 

@@ -24,11 +24,18 @@ unlimited; a traced scalar, so sliding and full layers share one scanned layer b
 ``sinks``, one learned logit per query head that joins the softmax's denominator and nothing else
 (the online softmax starts from it instead of from -inf).
 
-``attend`` is a flash-style formulation: query tiles (``lax.map``) times KV tiles (a loop that
+``attend_xla`` is a flash-style formulation: query tiles (``lax.map``) times KV tiles (a loop that
 stops at the last tile the causal bound can reach and skips tiles whose segments cannot match),
 with an online softmax in fp32. Peak memory is O(tile_q x tile_kv) scores per head instead of
-O(T x S). It is a forward-only kernel (the target is frozen: nothing differentiates through it).
-``attend_reference`` is the dense formulation, kept as the test reference.
+O(T x S). ``attend_reference`` is the dense formulation, kept as the test reference.
+
+``attend`` dispatches by ``impl`` (the model's ``target.attention_impl``): ``xla`` is
+``attend_xla``; ``pallas`` is the GPU kernel of ``pallas_kernels/segment_attention`` (no sinks, no
+window); ``auto`` takes the kernel only where a GPU check validated it for this device kind and
+shape (``pallas_kernels/segment_attention/validated.json``, empty today: ``auto`` is ``xla``
+everywhere) and only for self-attention on one device. Both are forward only (``attend_xla``'s
+loops have dynamic bounds, which reverse mode cannot differentiate): the target is frozen and the
+trainer stops gradients at its outputs.
 """
 
 from __future__ import annotations
@@ -98,7 +105,31 @@ def _pad_axis1(x, multiple: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def attend(
+def attend(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=None, window=None, impl: str = "xla"):
+    """``attend_xla``'s contract, run by ``impl``: ``xla``, ``pallas`` or ``auto`` (module docstring)."""
+    if impl != "xla":
+        from pallas_kernels.segment_attention import api as kernel
+
+        mesh = jax.sharding.get_abstract_mesh()  # the jax.set_mesh context the trainer runs in
+        impl, entry = kernel.resolve_impl(
+            impl, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2], dtype=q.dtype, query_len=q.shape[1],
+            key_len=k.shape[1], sinks=sinks is not None, window=window is not None,
+            mesh_devices=1 if mesh is None or mesh.empty else mesh.size,
+        )  # fmt: skip
+    if impl == "xla":
+        return attend_xla(q, k, v, q_index, q_segment, kv_segment, scale, sinks=sinks, window=window)
+    if sinks is not None or window is not None:
+        raise ValueError(
+            "target attention_impl=pallas: the segment attention kernel has no attention sinks or sliding "
+            "window (gpt-oss); use target.attention_impl=xla or auto for this target"
+        )
+    from pallas_kernels.segment_attention.pallas_triton import TileConfig
+
+    tiles = TileConfig(**entry["tiles"]) if entry is not None and entry.get("tiles") else None
+    return kernel.segment_attention(q, k, v, q_index, q_segment, kv_segment, scale=scale, tiles=tiles)
+
+
+def attend_xla(
     q,
     k,
     v,

@@ -270,6 +270,7 @@ class HybridTargetModel(TargetModel):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        attention_impl: str = "auto",
     ):
         if not config.is_hybrid:
             raise ValueError(
@@ -279,6 +280,7 @@ class HybridTargetModel(TargetModel):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.chunk_size = int(chunk_size)
+        self.attention_impl = attention_impl
         c = config
         specs = hybrid_param_specs(c)
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
@@ -329,7 +331,7 @@ class HybridTargetModel(TargetModel):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "act_heads", None))
         k, v, new_kv = cached_kv(kv, k, v, lengths)
-        attn = attend(q, k, v, *masks, H**-0.5)
+        attn = attend(q, k, v, *masks, H**-0.5, impl=self.attention_impl)
         attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return jnp.einsum("BTNH,NHD->BTD", attn, p["o"]), new_kv
 
@@ -480,12 +482,18 @@ class HybridTargetModel(TargetModel):
         return out
 
 
-def build_target_model(config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+def build_target_model(
+    config: TargetConfig,
+    *,
+    dtype: Any = jnp.float32,
+    rngs: nnx.Rngs | None = None,
+    attention_impl: str = "auto",
+):
     """The model class for ``config``: HybridTargetModel for qwen3_5 / qwen3_5_moe, TargetModel
     otherwise."""
     if config.is_hybrid:
-        return HybridTargetModel(config, dtype=dtype, rngs=rngs)
-    return TargetModel(config, dtype=dtype, rngs=rngs)
+        return HybridTargetModel(config, dtype=dtype, rngs=rngs, attention_impl=attention_impl)
+    return TargetModel(config, dtype=dtype, rngs=rngs, attention_impl=attention_impl)
 
 
 __all__ = ["HybridCache", "HybridTargetModel", "build_target_model", "hybrid_param_specs"]

@@ -222,12 +222,23 @@ class LayerTaps:
 
 
 class TargetModel(nnx.Module):
-    """Frozen decoder-only LLM. Call: ``target(input_ids, positions=None, *, layer_ids=())``."""
+    """Frozen decoder-only LLM. Call: ``target(input_ids, positions=None, *, layer_ids=())``.
 
-    def __init__(self, config: TargetConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+    ``attention_impl``: ``auto`` | ``xla`` | ``pallas``, how its attention runs (``attention.attend``;
+    ``auto`` is the XLA path unless a GPU check validated the kernel for this device and shape)."""
+
+    def __init__(
+        self,
+        config: TargetConfig,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        attention_impl: str = "auto",
+    ):
         rngs = rngs or nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.attention_impl = attention_impl
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
         self.layers = StackedParams(_layer_param_specs(c), c.num_layers, param_dtype=self.dtype, rngs=rngs)
@@ -322,7 +333,10 @@ class TargetModel(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q = constrain(q, ("batch", "length", "act_heads", None))
             k, v, new_kv = cached_kv(kv, k, v, lengths)
-            attn = attend(q, k, v, *mask, scale, sinks=p.get("sinks"), window=window if windowed else None)
+            attn = attend(
+                q, k, v, *mask, scale, sinks=p.get("sinks"), window=window if windowed else None,
+                impl=self.attention_impl,
+            )  # fmt: skip
             out = project("BTNH,NHD->BTD", attn, p["o"])
             if c.o_proj_bias:
                 out = out + p["o_bias"]

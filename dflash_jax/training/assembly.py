@@ -166,7 +166,9 @@ def load_parts(cfg: RunConfig, parts: RunParts, *, mesh=None) -> RunParts:
     from dflash_jax.training.regen_cache import HeldoutAnswers, data_configs, regenerated_data
 
     target_dir, tokenizer = prepare_target_dir(cfg, parts), parts.tokenizer
-    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype, mesh=mesh)
+    target = dflash_jax.load_target(
+        target_dir, dtype=cfg.target.dtype, mesh=mesh, attention_impl=cfg.target.attention_impl
+    )
     tc = target.config
     if tc != parts.target_config:
         raise ConfigError(

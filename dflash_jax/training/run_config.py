@@ -36,6 +36,11 @@ class TargetSection:
 
     path: str = "smollm2"
     dtype: DtypeName = "float32"
+    # The target's attention: auto (the Pallas segment kernel where a GPU check validated it for this
+    # device kind and shape, pallas_kernels/segment_attention/validated.json, else xla; no GPU has
+    # validated it yet, so auto is xla everywhere today) | xla (tiled XLA) | pallas (the kernel; a GPU,
+    # or interpret mode elsewhere: slow)
+    attention_impl: Literal["auto", "xla", "pallas"] = "auto"
     # HF config.json fields of the target, written out: lets a run be planned (memory per device,
     # layouts) with no target directory at hand. Loading weights still reads the directory.
     architecture: dict | None = None

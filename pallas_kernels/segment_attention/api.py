@@ -91,7 +91,6 @@ def segment_attention(
     scale: float | None = None,
     tiles=None,
     interpret: bool | None = None,
-    backward=None,
 ) -> jax.Array:
     """Causal packed-segment attention, the Pallas forward.
 
@@ -102,9 +101,8 @@ def segment_attention(
     accumulation); a query that sees nothing gets zeros.
 
     ``tiles``: ``pallas_triton.TileConfig`` (default ``TileConfig.default``). ``interpret``: run in
-    interpret mode (default: on non-GPU backends). ``backward``: a function with this one's
-    positional signature (the XLA path) whose vjp serves as the kernel's; without it the kernel is
-    forward only (nothing differentiates through the frozen target).
+    interpret mode (default: on non-GPU backends). Forward only, as the target's XLA path (its
+    loops have dynamic bounds): the target is frozen and nothing differentiates through it.
     """
     _check_shapes(q, k, v, q_index, q_segment, kv_segment)
     from pallas_kernels.segment_attention import pallas_triton
@@ -112,31 +110,9 @@ def segment_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if interpret is None:
         interpret = jax.default_backend() not in GPU_BACKENDS
-    forward = functools.partial(
-        pallas_triton.segment_attention_pallas, scale=scale, tiles=tiles, interpret=interpret
+    return pallas_triton.segment_attention_pallas(
+        q, k, v, q_index, q_segment, kv_segment, scale=scale, tiles=tiles, interpret=interpret
     )
-    mask = (q_index, q_segment, kv_segment)
-    if backward is None:
-        return forward(q, k, v, *mask)
-    return _forward_with_backward_of(forward, backward, q, k, v, mask)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _forward_with_backward_of(forward, backward, q, k, v, mask):
-    return forward(q, k, v, *mask)
-
-
-def _save_inputs(forward, backward, q, k, v, mask):
-    return forward(q, k, v, *mask), (q, k, v, mask)
-
-
-def _backward_of(forward, backward, res, cot):
-    q, k, v, mask = res
-    _, vjp = jax.vjp(lambda q, k, v: backward(q, k, v, *mask), q, k, v)
-    return (*vjp(cot), None)
-
-
-_forward_with_backward_of.defvjp(_save_inputs, _backward_of)
 
 
 def _check_shapes(q, k, v, q_index, q_segment, kv_segment):

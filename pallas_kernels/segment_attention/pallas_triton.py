@@ -3,8 +3,7 @@
 One program per (query tile, batch row, query head) reads the K/V of kv head ``n // G`` in place
 (GQA without repeating K/V) and walks the key tiles its tile table names (``tile_tables``) with an
 online softmax in fp32; matmuls accumulate in fp32, inputs stay in their dtype (bf16 on a GPU).
-Forward only: the target is frozen (``api.py`` gives it an XLA backward for the odd caller that
-differentiates anyway).
+Forward only: the target is frozen, and nothing differentiates through it.
 
 T and S are padded to whole tiles outside the kernel: padded queries sit at index -1 with a segment
 no key has, padded keys carry a segment no query has, so the mask hides both and a query that sees
@@ -23,6 +22,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.anchored_attention.budget import (
     REGISTER_OVERHEAD,
+    REGISTERS_PER_THREAD,
     SHARED_MEMORY_BYTES,
     KernelBudget,
 )
@@ -57,9 +57,18 @@ class TileConfig:
             raise ValueError(f"segment_attention TileConfig.num_stages={self.num_stages} must be >= 1")
 
     @classmethod
-    def default(cls, head_dim: int) -> TileConfig:
-        """64 x 64 tiles, 4 warps (8 at head_dim 256, where 4 would spill)."""
-        return cls() if head_dim <= 128 else cls(block_k=32, num_warps=8)
+    def default(cls, head_dim: int, itemsize: int = 2) -> TileConfig:
+        """64 x 64 tiles, 4 warps, 3 stages, then, while ``estimate`` counts it over one block's
+        budget: more warps (up to 8) against register spills, fewer stages, then smaller key tiles
+        (fp32 or head_dim 256)."""
+        t = cls()
+        while t.num_warps < 8 and estimate(t, head_dim, itemsize).registers_per_thread > REGISTERS_PER_THREAD:
+            t = t.replace(num_warps=2 * t.num_warps)
+        while estimate(t, head_dim, itemsize).problems() and t.num_stages > 2:
+            t = t.replace(num_stages=t.num_stages - 1)
+        while estimate(t, head_dim, itemsize).problems() and t.block_k > 16:
+            t = t.replace(block_k=t.block_k // 2)
+        return t
 
     def replace(self, **changes) -> TileConfig:
         return dataclasses.replace(self, **changes)
@@ -168,8 +177,9 @@ def segment_attention_pallas(
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    tiles = TileConfig.default(H) if tiles is None else tiles
-    check_tiles(tiles, H, jnp.dtype(q.dtype).itemsize)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    tiles = TileConfig.default(H, itemsize) if tiles is None else tiles
+    check_tiles(tiles, H, itemsize)
     bq, bk = tiles.block_q, tiles.block_k
     q_p = _pad_axis1(q, bq, 0)
     qi = _pad_axis1(q_index.astype(jnp.int32), bq, -1)
