@@ -10,8 +10,9 @@
                fwd+bwd time, compiled temp memory
   sweep        tile candidates within the budget, forward and backward kernels timed alone; the best
                becomes the recorded default
-  target       the target's packed causal attention: our tiled XLA vs tokamax (vs cuDNN where it can
-               express the mask: one document per row)
+  target       the target's packed causal attention at T=4096 and 8192, Qwen3-8B's heads: the segment
+               attention kernel vs the tiled XLA path (values and ms) vs tokamax, and cuDNN's time on
+               one document a row (the only mask it expresses here); then the kernel's tiles swept
   full         the trainer's step at full size on one GPU: Qwen3-8B's 36 layers (bf16, random weights
                made on the device), a 5-layer B=16 drafter, T=4096, 512 anchors a row, the whole
                vocabulary for the labels and a 32k draft vocabulary; ms/step, tokens/s, anchors/s,
@@ -23,8 +24,9 @@ OUTDIR/result.json and OUTDIR/gpu_check.md are rewritten after every stage; a st
 crashes or runs past its budget is recorded and the next one runs. Each function is compiled once
 (``lower().compile()``), then timed. ``--cpu-smoke`` runs every stage at tiny sizes on CPU
 (kernels in interpret mode). ``--record OUTDIR`` (run in the repo after a GPU run) writes the
-validated configurations into ``pallas_kernels/anchored_attention/validated.json`` (keyed by the
-device kind the check ran on) and the markdown into BENCHMARKS.md's GPU section.
+validated configurations into ``pallas_kernels/anchored_attention/validated.json`` (the drafter's
+kernel) and ``pallas_kernels/segment_attention/validated.json`` (the target's), keyed by the device
+kind the check ran on, and the markdown into BENCHMARKS.md's GPU section.
 """
 
 from __future__ import annotations
@@ -47,16 +49,18 @@ STAGES = ("env", "compile", "correctness", "speed", "sweep", "target", "full", "
 DEFAULT_STAGES = ("env", "compile", "correctness", "speed", "sweep", "target", "full")
 # Seconds per stage on one GPU (process start, imports and compiles included); the default stages'
 # sum + margin < 590 (gpu_check.sh's timeout). Measured on an H200 on 2026-12-04: env 3-5, compile
-# 16, correctness 92 (tokamax failing), speed 45, train 119 (four variants), target 10; the sweep
-# takes what it is given; `full` is an estimate until a GPU run measures it (one compile of the
-# 36-layer step and a few steps of ~0.5 s per variant, the later variants only where time is left).
+# 16, correctness 92 (tokamax failing), speed 45, train 119 (four variants), target 10 (the XLA path
+# and cuDNN at one length, before the segment kernel); the sweeps take what they are given; `full`
+# and `target` are estimates until a GPU run measures them (`full`: one compile of the 36-layer step
+# and a few steps of ~0.5 s per variant, the later variants only where time is left; `target`: ~10
+# compiles of ~1.5 s at two lengths, then the kernel's tile candidates while time is left).
 BUDGET_S = {
     "env": 10,
     "compile": 30,
     "correctness": 120,
     "speed": 55,
     "sweep": 60,
-    "target": 20,
+    "target": 45,
     "full": 240,
     "train": 130,
 }
@@ -67,7 +71,7 @@ SMOKE_BUDGET_S = {
     "correctness": 50,
     "speed": 50,
     "sweep": 35,
-    "target": 20,
+    "target": 30,
     "full": 75,
     "train": 75,
 }
@@ -109,7 +113,10 @@ FULL = {
         steps=3,
         impls=("pallas/float32", "xla/float32", "pallas/bfloat16", "xla/bfloat16"),
     ),
-    "target": (2, 8192, 32, 8, 128, "bfloat16"),  # B, T, N, K, H, dtype
+    # packed rows of 4 documents at Qwen3-8B's heads; the kernel's tile candidates timed at the last
+    "target": dict(
+        rows=((2, 4096), (2, 8192)), heads=(32, 8, 128), dtype="bfloat16", tokamax=True, sweep_max=6
+    ),
     # Qwen3-8B as configs/qwen3-8b.yaml describes it, every layer, on one device. Variants run in
     # order while the budget allows (each costs about what the first did): the shipped `auto`
     # attention at one row, the Pallas kernel forced where `auto` chose otherwise, then two rows.
@@ -143,7 +150,7 @@ SMOKE = {
         tiny=True,
         impls=("xla/float32", "xla/bfloat16"),
     ),
-    "target": (1, 128, 4, 2, 16, "float32"),
+    "target": dict(rows=((1, 64),), heads=(4, 2, 16), dtype="float32", tokamax=True, sweep_max=1),
     "full": dict(  # a few layers: the CPU compile of the unrolled drafter is what costs here
         target_layers=4,
         drafter_layers=2,
@@ -649,29 +656,61 @@ def stage_train(plan, prior, outdir) -> dict:
     return out
 
 
-def target_attention_comparison(B, T, N, K, H, dtype, repeats, *, docs=4, tokamax=True) -> dict:
-    """The target's causal attention at [B, T] (forward only: the target is frozen): our tiled XLA
-    ``attend`` on rows of ``docs`` documents, tokamax on the same rows (``tokamax``), and on a GPU
-    cuDNN (``jax.nn.dot_product_attention``) against ours on one document a row, the only mask
-    cuDNN's top-left causal expresses here."""
+def _packed_inputs(B, T, N, K, H, dtype, docs):
+    """Random q/k/v at [B, T] and segment ids of ``docs`` equal documents a row."""
     jax = _jax()
     import jax.numpy as jnp
     import numpy as np
-
-    from dflash_jax.target.attention import attend, self_attention_mask
-    from pallas_kernels.anchored_attention import tokamax_impl
 
     key = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(key[0], (B, T, N, H)).astype(dtype)
     k = jax.random.normal(key[1], (B, T, K, H)).astype(dtype)
     v = jax.random.normal(key[2], (B, T, K, H)).astype(dtype)
     seg = jnp.asarray(np.repeat((np.arange(T) // max(T // docs, 1) + 1)[None], B, 0), jnp.int32)
+    return q, k, v, seg
+
+
+def _target_fns(B, T, scale, tiles):
+    """The target's attention on [B, T] packed rows by impl: the tiled XLA path and the kernel."""
+    from dflash_jax.target.attention import attend_xla, self_attention_mask
+    from pallas_kernels.segment_attention import segment_attention
+
+    def xla(q, k, v, seg):
+        return attend_xla(q, k, v, *self_attention_mask(B, T, seg), scale)
+
+    def pallas(q, k, v, seg):
+        return segment_attention(q, k, v, *self_attention_mask(B, T, seg), scale=scale, tiles=tiles)
+
+    return {"xla": xla, "pallas": pallas}
+
+
+def target_attention_comparison(B, T, N, K, H, dtype, repeats, *, docs=4, tokamax=True, tiles=None) -> dict:
+    """The target's causal attention at [B, T] (forward only: the target is frozen) on rows of
+    ``docs`` documents: the tiled XLA path, the segment attention kernel (``tiles``; its values
+    against XLA's), tokamax on the same rows (``tokamax``), and on a GPU cuDNN
+    (``jax.nn.dot_product_attention``) against both on one document a row, the only mask cuDNN's
+    top-left causal expresses here."""
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from pallas_kernels.anchored_attention import tokamax_impl
+
+    q, k, v, seg = _packed_inputs(B, T, N, K, H, dtype, docs)
     scale = H**-0.5
     out = {"shape": dict(B=B, T=T, N=N, K=K, H=H, dtype=dtype, docs_per_row=docs)}
-    ours_fn = lambda q, k, v, seg: attend(q, k, v, *self_attention_mask(B, T, seg), scale)
-    compiled, secs, temp = compile_once(ours_fn, q, k, v, seg)
-    out["ours"] = {"ms": timed_ms(compiled, (q, k, v, seg), repeats), "compile_s": secs, "temp_mib": temp}
-    ref = compiled(q, k, v, seg)
+    fns = _target_fns(B, T, scale, tiles)
+    compiled = {}
+    for impl, fn in fns.items():
+        try:
+            c, secs, temp = compile_once(fn, q, k, v, seg)
+            compiled[impl] = c
+            out[impl] = {"ms": timed_ms(c, (q, k, v, seg), repeats), "compile_s": secs, "temp_mib": temp}
+        except Exception as e:  # noqa: BLE001 - the other impls still run
+            out[impl] = {"error": err_text(e)}
+    ref = compiled["xla"](q, k, v, seg) if "xla" in compiled else None
+    if "pallas" in compiled and ref is not None:
+        out["pallas"]["rel_err_vs_xla"] = _rel_err(compiled["pallas"](q, k, v, seg), ref)
+        out["pallas"]["speedup_vs_xla"] = out["xla"]["ms"] / out["pallas"]["ms"]
     if not tokamax:
         pass
     elif tokamax_ok() is None:
@@ -682,7 +721,7 @@ def target_attention_comparison(B, T, N, K, H, dtype, repeats, *, docs=4, tokama
         try:
             c, secs, temp = compile_once(fn, q, k, v, seg)
             out[f"tokamax_{impl}"] = {"ms": timed_ms(c, (q, k, v, seg), repeats), "compile_s": secs,
-                                      "temp_mib": temp, "rel_err_vs_ours": _rel_err(c(q, k, v, seg), ref)}  # fmt: skip
+                                      "temp_mib": temp, "rel_err_vs_xla": _rel_err(c(q, k, v, seg), ref)}  # fmt: skip
         except Exception as e:  # noqa: BLE001
             out[f"tokamax_{impl}"] = {"error": err_text(e)}
     else:
@@ -691,21 +730,89 @@ def target_attention_comparison(B, T, N, K, H, dtype, repeats, *, docs=4, tokama
         one = jnp.ones_like(seg)
         fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         try:
-            c, secs, temp = compile_once(fn, q, k, v)
-            ours1, _, _ = compile_once(ours_fn, q, k, v, one)
-            r = {"ms": timed_ms(c, (q, k, v), repeats), "compile_s": secs,
-                 "ours_one_doc_ms": timed_ms(ours1, (q, k, v, one), repeats),
-                 "rel_err_vs_ours": _rel_err(c(q, k, v), ours1(q, k, v, one))}  # fmt: skip
-            r["ours_over_cudnn"] = r["ours_one_doc_ms"] / r["ms"]
+            c, secs, _ = compile_once(fn, q, k, v)
+            r = {"ms": timed_ms(c, (q, k, v), repeats), "compile_s": secs}
+            want = c(q, k, v)
+            for impl in compiled:  # each of ours on the one-document rows cuDNN can express
+                ours, _, _ = compile_once(fns[impl], q, k, v, one)
+                r[f"{impl}_one_doc_ms"] = timed_ms(ours, (q, k, v, one), repeats)
+                r[f"{impl}_over_cudnn"] = r[f"{impl}_one_doc_ms"] / r["ms"]
+                r[f"{impl}_rel_err_vs_cudnn"] = _rel_err(ours(q, k, v, one), want)
             out["cudnn_one_doc"] = r
         except Exception as e:  # noqa: BLE001
             out["cudnn_one_doc"] = {"error": err_text(e)}
     return out
 
 
+def target_tile_candidates(head_dim: int, itemsize: int, limit: int):
+    """The segment kernel's tile candidates within its budget, the default first."""
+    from pallas_kernels.segment_attention.pallas_triton import TileConfig, estimate
+
+    d = TileConfig.default(head_dim, itemsize)
+    cands = [d] + [TileConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+                   for bq, bk, w in ((128, 64, 8), (128, 64, 4), (64, 32, 4), (128, 128, 8), (64, 128, 4))
+                   for st in (3, 2)]  # fmt: skip
+    seen, out = set(), []
+    for t in cands:
+        if t not in seen and not estimate(t, head_dim, itemsize).problems():
+            seen.add(t)
+            out.append(t)
+    return out[:limit]
+
+
 def stage_target(plan, prior, outdir) -> dict:
-    B, T, N, K, H, dtype = plan["target"]
-    return target_attention_comparison(B, T, N, K, H, dtype, plan["repeats"])
+    """The target's attention on packed rows at each of the plan's lengths (Qwen3-8B's heads on a
+    GPU): the segment kernel against the tiled XLA path (values and ms) and cuDNN's one-document
+    time; then, as time allows, the kernel's tile candidates at the longest length. The kernel is
+    ``ok`` where its values match XLA's at every length; ``record`` validates it where it is also
+    faster (``pallas_kernels/segment_attention/validated.json``)."""
+    p = plan["target"]
+    N, K, H = p["heads"]
+    deadline = time.perf_counter() + 0.8 * plan["budget_s"] - 5
+    tol = 2e-2 if p["dtype"] == "bfloat16" else 1e-4
+    out = {"device_kind": _jax().devices()[0].device_kind, "head_dim": H, "groups": N // K,
+           "dtype": p["dtype"], "tolerance": tol, "cases": []}  # fmt: skip
+    for B, T in p["rows"]:
+        case = target_attention_comparison(B, T, N, K, H, p["dtype"], plan["repeats"], tokamax=p["tokamax"])
+        out["cases"].append(case)
+        print("target", json.dumps(case)[:400], flush=True)
+        progress(out)
+    errs = [c.get("pallas", {}).get("rel_err_vs_xla") for c in out["cases"]]
+    out["pallas_ok"] = all(e is not None and e <= tol for e in errs)
+    speedups = [c["pallas"].get("speedup_vs_xla") for c in out["cases"] if "pallas" in c]
+    out["speedup_vs_xla"] = min(speedups) if speedups and None not in speedups else None
+    # the tile sweep at the longest length, forward alone, while the stage's time lasts
+    from pallas_kernels.segment_attention.pallas_triton import TileConfig
+
+    B, T = p["rows"][-1]
+    q, k, v, seg = _packed_inputs(B, T, N, K, H, p["dtype"], 4)
+    fns = _target_fns(B, T, H**-0.5, None)
+    ref = compile_once(fns["xla"], q, k, v, seg)[0](q, k, v, seg)
+    itemsize = 2 if p["dtype"] == "bfloat16" else 4
+    out["default_tiles"] = TileConfig.default(H, itemsize).to_dict()
+    sweep = []
+    for t in target_tile_candidates(H, itemsize, p["sweep_max"]):
+        if time.perf_counter() > deadline:
+            sweep.append({"tiles": t.to_dict(), "status": "not run: stage budget"})
+            continue
+        row = {"tiles": t.to_dict()}
+        try:
+            c, _, _ = compile_once(_target_fns(B, T, H**-0.5, t)["pallas"], q, k, v, seg)
+            err = _rel_err(c(q, k, v, seg), ref)
+            row.update(ms=timed_ms(c, (q, k, v, seg), plan["repeats"]), rel_err_vs_xla=err)
+            row["status"] = "ok" if err <= tol else f"off the XLA path: rel err {err:.2e} > {tol}"
+        except Exception as e:  # noqa: BLE001 - a candidate that fails is recorded
+            row.update(status="failed", error=err_text(e))
+        sweep.append(row)
+        progress({**out, "sweep": sweep})
+    out["sweep"] = sweep
+    ok = [r for r in sweep if r["status"] == "ok"]
+    if ok:
+        best = min(ok, key=lambda r: r["ms"])
+        out["best_tiles"], out["best_ms"] = best["tiles"], best["ms"]
+    if not out["pallas_ok"]:
+        raise StageFailed(f"the segment attention kernel is off the XLA path: rel err {errs} > {tol}", out)
+    return out
 
 
 class _AutoChoice:
@@ -847,8 +954,10 @@ def stage_full(plan, prior, outdir) -> dict:
                     rows, p["seq"], tc.num_heads, tc.num_kv_heads, tc.head_dim, cfg.target.dtype,
                     plan["repeats"], tokamax=False,
                 )  # fmt: skip
-                ours = out["target_attention"]["ours"]["ms"]
-                out["target_attention"]["ours_ms_x_layers"] = ours * tc.num_layers
+                for impl in ("xla", "pallas"):
+                    ms = out["target_attention"].get(impl, {}).get("ms")
+                    if ms is not None:
+                        out["target_attention"][f"{impl}_ms_x_layers"] = ms * tc.num_layers
             except Exception as e:  # noqa: BLE001
                 out["target_attention"] = {"error": err_text(e)}
             progress(out)
@@ -973,18 +1082,41 @@ def markdown(report: dict) -> str:
                 lines.append(
                     f"- {label}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s{mfu}"
                 )
-    tg = res("target")
-    if tg:
-        lines += ["", f"target attention {json.dumps(tg['shape'])}:", ""]
-        for k, r in tg.items():
-            if k != "shape":
-                lines.append(
-                    f"- {k}: "
-                    + ", ".join(f"{a}={b:.3g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items())
-                )
+    lines += target_markdown(res("target"))
     lines += full_markdown(res("full"))
     lines += ["", f"total {report['seconds']:.0f} s"]
     return "\n".join(lines) + "\n"
+
+
+def target_markdown(tg: dict) -> list[str]:
+    """The target stage's lines: per length, the XLA path, the segment kernel and cuDNN's one document."""
+    if not tg.get("cases"):
+        return []
+    lines = ["", f"target attention (forward, packed rows of 4 documents, {tg['cases'][0]['shape']['N']}/"
+             f"{tg['cases'][0]['shape']['K']} heads, d={tg['head_dim']}, {tg['dtype']}; the kernel "
+             f"{'matches' if tg.get('pallas_ok') else 'does NOT match'} XLA within {tg['tolerance']:g}):", "",
+             "| rows x T | xla ms | pallas ms | pallas vs xla | pallas rel err | cuDNN 1-doc ms | xla 1-doc ms | "
+             "pallas 1-doc ms | pallas / cuDNN |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in tg["cases"]:
+        s, x, pa, cu = c["shape"], c.get("xla", {}), c.get("pallas", {}), c.get("cudnn_one_doc", {})
+        err = pa.get("error") or x.get("error") or cu.get("error") or ""
+        lines.append(f"| {s['B']} x {s['T']} | {_fmt(x.get('ms'), '.2f')} | {_fmt(pa.get('ms'), '.2f')} | "
+                     f"{_fmt(pa.get('speedup_vs_xla'), '.2f')} | {_fmt(pa.get('rel_err_vs_xla'), '.1e')} | "
+                     f"{_fmt(cu.get('ms'), '.2f')} | {_fmt(cu.get('xla_one_doc_ms'), '.2f')} | "
+                     f"{_fmt(cu.get('pallas_one_doc_ms'), '.2f')} | {_fmt(cu.get('pallas_over_cudnn'), '.2f')} "
+                     f"{err[:80].replace('|', '/')} |")  # fmt: skip
+    for c in tg["cases"]:
+        for k, r in c.items():
+            if k.startswith("tokamax"):
+                s = c["shape"]
+                lines.append(
+                    f"\n{k} at {s['B']} x {s['T']}: "
+                    + (f"{r['ms']:.2f} ms" if "ms" in r else r.get("error", "")[:160])
+                )
+    if tg.get("best_tiles"):
+        lines += ["", f"target sweep: best `{json.dumps(tg['best_tiles'])}` ({tg['best_ms']:.2f} ms; default "
+                  f"`{json.dumps(tg['default_tiles'])}`)"]  # fmt: skip
+    return lines
 
 
 def _fmt(x, spec=".1f"):
@@ -1015,15 +1147,18 @@ def full_markdown(fu: dict) -> list[str]:
     if fu.get("auto_choice"):
         lines += ["", f"`auto`: {fu['auto_choice']}"]
     ta = fu.get("target_attention") or {}
-    if "ours" in ta:
+    if "shape" in ta:
         s = ta["shape"]
+        per = [f"{impl} {ta[impl]['ms']:.2f} ms (x {fu['target_layers']} layers: {ta[impl + '_ms_x_layers']:.0f} ms)"
+               if "ms" in ta.get(impl, {}) else f"{impl}: {ta.get(impl, {}).get('error', 'not run')[:120]}"
+               for impl in ("xla", "pallas")]  # fmt: skip
         text = (f"target attention at the step's shape ({s['B']} x {s['T']}, {s['N']}/{s['K']} heads, d={s['H']}, "
-                f"{s['dtype']}, forward): ours {ta['ours']['ms']:.2f} ms on {s['docs_per_row']} documents a row "
-                f"(x {fu['target_layers']} layers: {ta['ours_ms_x_layers']:.0f} ms)")  # fmt: skip
+                f"{s['dtype']}, forward) on {s['docs_per_row']} documents a row: {'; '.join(per)}")  # fmt: skip
         cu = ta.get("cudnn_one_doc") or {}
         if "ms" in cu:
-            text += (f"; one document a row: ours {cu['ours_one_doc_ms']:.2f} ms, cuDNN {cu['ms']:.2f} ms "
-                     f"(ours / cuDNN {cu['ours_over_cudnn']:.2f})")  # fmt: skip
+            ours = ", ".join(f"{i} {cu[i + '_one_doc_ms']:.2f} ms ({i} / cuDNN {cu[i + '_over_cudnn']:.2f})"
+                             for i in ("xla", "pallas") if i + "_one_doc_ms" in cu)  # fmt: skip
+            text += f"; one document a row: cuDNN {cu['ms']:.2f} ms, {ours}"
         elif "error" in cu:
             text += f"; cuDNN: {cu['error'][:160]}"
         lines += ["", text]
@@ -1092,12 +1227,20 @@ def orchestrate(outdir: Path, smoke: bool, stages, budget_scale: float, total_s:
     return report
 
 
-def record(outdir: Path, validated_path: Path | None = None, benchmarks: Path | None = None) -> list[dict]:
+def record(
+    outdir: Path,
+    validated_path: Path | None = None,
+    benchmarks: Path | None = None,
+    segment_validated_path: Path | None = None,
+) -> list[dict]:
     """After a GPU run: validated.json gets an entry, keyed by the device kind the check ran on,
     for the kernel that passed every correctness case and beat xla fwd+bwd at the speed shape
-    (entries of other kinds stay); BENCHMARKS.md's GPU section gets the markdown of ``result.json``
-    (every stage's numbers, the full-size step's included)."""
+    (entries of other kinds stay); the segment kernel's validated.json one where the ``target``
+    stage found it equal to the XLA path at every length and faster at each; BENCHMARKS.md's GPU
+    section gets the markdown of ``result.json`` (every stage's numbers, the full-size step's
+    included). Returns the entries written."""
     from pallas_kernels.anchored_attention import validated
+    from pallas_kernels.segment_attention import validated as segment_validated
 
     report = json.loads((outdir / "result.json").read_text())
     if report.get("cpu_smoke"):
@@ -1126,6 +1269,15 @@ def record(outdir: Path, validated_path: Path | None = None, benchmarks: Path | 
         if cand:
             rows = [max(cand, key=lambda r: r["speedup_vs_xla"])]
             validated.write(rows, validated_path or validated.TABLE_PATH)
+    tg = st.get("target", {})
+    res = tg.get("result") or {}
+    if tg.get("status") == "ok" and res.get("pallas_ok") and (res.get("speedup_vs_xla") or 0) > 1:
+        entry = dict(device_kind=res["device_kind"], head_dim=res["head_dim"], groups=res["groups"],
+                     dtype=res["dtype"], tiles=res.get("best_tiles") or res.get("default_tiles"),
+                     speedup_vs_xla=res["speedup_vs_xla"], jax=env.get("jax"), date=time.strftime("%Y-%m-%d"),
+                     lengths=[c["shape"]["T"] for c in res["cases"]])  # fmt: skip
+        segment_validated.write([entry], segment_validated_path or segment_validated.TABLE_PATH)
+        rows.append(entry)
     bench = benchmarks or ROOT / "BENCHMARKS.md"
     text = bench.read_text()
     if BENCH_BEGIN in text and BENCH_END in text:

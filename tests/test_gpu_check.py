@@ -57,9 +57,14 @@ def test_failed_and_hung_stages_do_not_stop_later_ones(tmp_path):
     assert st["compile"]["status"] == "timeout" and "8 s budget" in st["compile"]["error"]
     assert st["compile"]["seconds"] < 30
     assert st["target"]["status"] == "ok", st["target"]
-    assert st["target"]["result"]["ours"]["ms"] > 0
+    tg = st["target"]["result"]
+    (case,) = tg["cases"]  # the smoke's one length: the kernel (interpret mode) against the XLA path
+    assert case["xla"]["ms"] > 0 and case["pallas"]["ms"] > 0
+    assert tg["pallas_ok"] and case["pallas"]["rel_err_vs_xla"] <= tg["tolerance"] == 1e-4
+    assert "cudnn_one_doc" not in case and tg["sweep"][0]["status"] == "ok"  # no cuDNN off GPU
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| compile | timeout |" in md and "| target | ok |" in md
+    assert "| 1 x 64 |" in md and "the kernel matches XLA within 0.0001" in md
     log = (tmp_path / "gpu_check.log").read_text()
     assert log.index("===== env") < log.index("===== compile") < log.index("===== target")
 
@@ -128,7 +133,9 @@ def test_full_stage_smoke_measures_the_trainers_step(tmp_path):
     assert tc.num_layers == 4 and tc.vocab_size == 512
     assert res["mem_fraction"] == gc.FULL_MEM_FRACTION  # the stage's own process got the larger pool
     assert "xla" in res["auto_choice"]  # auto off GPU
-    assert res["target_attention"]["ours"]["ms"] > 0 and "cudnn_one_doc" not in res["target_attention"]
+    ta = res["target_attention"]
+    assert ta["xla"]["ms"] > 0 and ta["pallas"]["ms"] > 0 and "cudnn_one_doc" not in ta
+    assert ta["xla_ms_x_layers"] == pytest.approx(4 * ta["xla"]["ms"])
     assert v["tflops_per_step"] > flops.target_forward_flops(tc, 128) / 1e12  # target + labels + drafter
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| auto | 1 |" in md and "4 target layers" in md and "256-token draft vocabulary" in md
@@ -150,8 +157,10 @@ def test_record_adds_the_kind_the_check_ran_on(tmp_path):
                 loss="ce", peak_tflops=989.0, memory_pool_gib=73.2, variants=[variant],
                 auto_choice="attention_impl=auto: using 'xla' (no GPU check has validated ...)",
                 target_attention={"shape": dict(B=1, T=4096, N=32, K=8, H=128, dtype="bfloat16", docs_per_row=4),
-                                  "ours": {"ms": 3.1}, "ours_ms_x_layers": 111.6,
-                                  "cudnn_one_doc": {"ms": 1.0, "ours_one_doc_ms": 6.0, "ours_over_cudnn": 6.0}})  # fmt: skip
+                                  "xla": {"ms": 3.1}, "xla_ms_x_layers": 111.6,
+                                  "pallas": {"ms": 1.5}, "pallas_ms_x_layers": 54.0,
+                                  "cudnn_one_doc": {"ms": 1.0, "xla_one_doc_ms": 6.0, "xla_over_cudnn": 6.0,
+                                                    "pallas_one_doc_ms": 1.8, "pallas_over_cudnn": 1.8}})  # fmt: skip
     report = {
         "cpu_smoke": False, "order": ["env", "correctness", "speed", "full"], "seconds": 500.0,
         "stages": {
@@ -179,7 +188,49 @@ def test_record_adds_the_kind_the_check_ran_on(tmp_path):
     text = bench.read_text()
     assert f"full-size step on one {kind}" in text
     assert "| auto | 1 | 520.0 | 7877 | 985 | 230.0 | 44.7% | 48.2 | 50.1 | 70 | ok |" in text
-    assert "cuDNN 1.00 ms (ours / cuDNN 6.00)" in text
+    assert "pallas 1.50 ms (x 36 layers: 54 ms)" in text
+    assert "cuDNN 1.00 ms, xla 6.00 ms (xla / cuDNN 6.00), pallas 1.80 ms (pallas / cuDNN 1.80)" in text
+
+
+def test_record_validates_the_segment_kernel_only_where_it_matched_and_was_faster(tmp_path):
+    gc = load_script()
+    from pallas_kernels.segment_attention import validated
+
+    def case(T, xla_ms, pallas_ms, err):
+        return {"shape": dict(B=2, T=T, N=32, K=8, H=128, dtype="bfloat16", docs_per_row=4),
+                "xla": {"ms": xla_ms}, "pallas": {"ms": pallas_ms, "rel_err_vs_xla": err,
+                                                  "speedup_vs_xla": xla_ms / pallas_ms},
+                "cudnn_one_doc": {"ms": 2.0, "xla_one_doc_ms": 24.0, "pallas_one_doc_ms": 3.0,
+                                  "xla_over_cudnn": 12.0, "pallas_over_cudnn": 1.5}}  # fmt: skip
+
+    best = {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    target = {"device_kind": "NVIDIA H100 80GB HBM3", "head_dim": 128, "groups": 4, "dtype": "bfloat16",
+              "tolerance": 2e-2, "cases": [case(4096, 6.0, 2.0, 2e-3), case(8192, 24.0, 6.0, 3e-3)],
+              "pallas_ok": True, "speedup_vs_xla": 3.0, "best_tiles": best, "best_ms": 5.5,
+              "default_tiles": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}}  # fmt: skip
+    report = {"cpu_smoke": False, "order": ["env", "target"], "seconds": 60.0, "stages": {
+        "env": {"status": "ok", "seconds": 5, "result": {"device_kind": target["device_kind"], "jax": "0.11.2"}},
+        "target": {"status": "ok", "seconds": 40, "result": target}}}  # fmt: skip
+    table = tmp_path / "segment.json"
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text(f"{gc.BENCH_BEGIN}\n{gc.BENCH_END}\n")
+
+    def run():
+        (tmp_path / "result.json").write_text(json.dumps(report))
+        return gc.record(tmp_path, validated_path=tmp_path / "drafter.json", benchmarks=bench,
+                         segment_validated_path=table)  # fmt: skip
+
+    (entry,) = run()
+    assert validated.lookup("NVIDIA H100 80GB HBM3", 128, 4, "bfloat16", table=validated.load(table)) == entry
+    assert entry["tiles"] == best and entry["speedup_vs_xla"] == 3.0 and entry["lengths"] == [4096, 8192]
+    assert not (tmp_path / "drafter.json").exists()  # no drafter stages ran: nothing for that kernel
+    text = bench.read_text()
+    assert "| 2 x 8192 | 24.00 | 6.00 | 4.00 | 3.0e-03 | 2.00 | 24.00 | 3.00 | 1.50" in text
+    table.unlink()
+    target["speedup_vs_xla"] = 0.9  # slower than XLA at one length
+    assert run() == [] and not table.exists()
+    target.update(speedup_vs_xla=3.0, pallas_ok=False)
+    assert run() == [] and not table.exists()
 
 
 def test_fallback_and_sweep_candidates_fit_the_budget():
