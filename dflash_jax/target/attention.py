@@ -33,7 +33,8 @@ O(T x S). ``attend_reference`` is the dense formulation, kept as the test refere
 ``attend_xla``; ``pallas`` is the GPU kernel of ``pallas_kernels/segment_attention`` (no sinks, no
 window); ``auto`` takes the kernel only where a GPU check validated it for this device kind and
 shape (``pallas_kernels/segment_attention/validated.json``, empty today: ``auto`` is ``xla``
-everywhere) and only for self-attention on one device. Both are forward only (``attend_xla``'s
+everywhere) and only for self-attention (not a KV-cache step). On a mesh the kernel runs under
+``shard_map`` on each device's rows and heads. Both are forward only (``attend_xla``'s
 loops have dynamic bounds, which reverse mode cannot differentiate): the target is frozen and the
 trainer stops gradients at its outputs.
 """
@@ -42,6 +43,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.sharding import _current_mesh
+
+BATCH_MESH_AXES = ("data", "fsdp")  # what ``batch`` maps to (sharding.DEFAULT_RULES)
 
 NEG_INF = -1e30
 DEFAULT_Q_TILE = 512
@@ -110,11 +116,9 @@ def attend(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=None, window
     if impl != "xla":
         from pallas_kernels.segment_attention import api as kernel
 
-        mesh = jax.sharding.get_abstract_mesh()  # the jax.set_mesh context the trainer runs in
         impl, entry = kernel.resolve_impl(
             impl, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2], dtype=q.dtype, query_len=q.shape[1],
             key_len=k.shape[1], sinks=sinks is not None, window=window is not None,
-            mesh_devices=1 if mesh is None or mesh.empty else mesh.size,
         )  # fmt: skip
     if impl == "xla":
         return attend_xla(q, k, v, q_index, q_segment, kv_segment, scale, sinks=sinks, window=window)
@@ -126,7 +130,41 @@ def attend(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=None, window
     from pallas_kernels.segment_attention.pallas_triton import TileConfig
 
     tiles = TileConfig(**entry["tiles"]) if entry is not None and entry.get("tiles") else None
-    return kernel.segment_attention(q, k, v, q_index, q_segment, kv_segment, scale=scale, tiles=tiles)
+
+    def run(q, k, v, q_index, q_segment, kv_segment):
+        return kernel.segment_attention(q, k, v, q_index, q_segment, kv_segment, scale=scale, tiles=tiles)
+
+    return _per_device(run, q, k, v, q_index, q_segment, kv_segment)
+
+
+def _axes_dividing(mesh, names, n: int) -> tuple[str, ...]:
+    """The mesh axes of ``names`` with size > 1, if their product divides n, else ()."""
+    axes = tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+    return axes if axes and n % int(np.prod([mesh.shape[a] for a in axes])) == 0 else ()
+
+
+def _per_device(run, q, k, v, q_index, q_segment, kv_segment):
+    """``run`` (the kernel) on each device's own rows and heads under the current mesh: a Pallas
+    call outside ``shard_map`` would be given every device's operands. Rows split over the batch
+    axes (data, fsdp) and heads over tensor where they divide (kv heads too: query head n reads kv
+    head n // G, so contiguous blocks of both stay together); other axes compute replicated."""
+    mesh = _current_mesh()
+    if mesh is None or mesh.size == 1:
+        return run(q, k, v, q_index, q_segment, kv_segment)
+    from jax.sharding import PartitionSpec as P
+
+    rows = _axes_dividing(mesh, BATCH_MESH_AXES, q.shape[0]) or None
+    heads = (
+        _axes_dividing(mesh, ("tensor",), q.shape[2]) and _axes_dividing(mesh, ("tensor",), k.shape[2])
+    ) or None
+    per_head, per_token = P(rows, None, heads, None), P(rows, None)
+    return jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(per_head, per_head, per_head, per_token, per_token, per_token),
+        out_specs=per_head,
+        check_vma=False,
+    )(q, k, v, q_index, q_segment, kv_segment)
 
 
 def attend_xla(

@@ -10,8 +10,8 @@ Implementations (``impl``):
 * ``auto``: ``pallas`` only where ``validated.json`` holds this configuration (device kind,
   head_dim, G, dtype), i.e. a GPU check ran the kernel there, found it equal to the XLA path and
   faster, and only for what that check measured: self-attention over packed rows (query length =
-  key length; a KV-cache decoding step stays on XLA), no sinks or window, one device (on a
-  multi-device mesh the partitioner would gather the kernel's operands). ``xla`` everywhere else,
+  key length; a KV-cache decoding step stays on XLA), no sinks or window (on a mesh the caller runs
+  it on each device's rows and heads, where the check's shapes apply). ``xla`` everywhere else,
   which today is everywhere: no GPU check has validated the kernel yet. Each choice is logged once.
 """
 
@@ -46,7 +46,6 @@ def choose_impl(
     key_len: int,
     sinks: bool = False,
     window: bool = False,
-    mesh_devices: int = 1,
 ) -> tuple[str, dict | None, str]:
     """``(impl, validated entry or None, reason)``; resolves ``auto`` (see the module docstring)."""
     if impl not in IMPLS:
@@ -60,8 +59,6 @@ def choose_impl(
         return "xla", None, "the kernel has no attention sinks or sliding window"
     if query_len != key_len:
         return "xla", None, "a KV-cache step (query length != key length): not what a GPU check measured"
-    if mesh_devices > 1:
-        return "xla", None, f"a {mesh_devices}-device mesh: the kernel runs on one device's whole operands"
     device_kind = jax.devices()[0].device_kind
     dtype = jnp.dtype(dtype).name
     config = f"{device_kind}, head_dim={head_dim}, G={groups}, {dtype}"
