@@ -62,6 +62,7 @@ SAFE_ON_RESUME = (
     "eval.*",
     "mesh.*",
     "drafter.attention_impl",
+    "target.attention_impl",
     "drafter.anchor_chunk",
     "drafter.init_from",
     "data.num_workers",
