@@ -119,7 +119,8 @@ FULL = {
     ),
     # Qwen3-8B as configs/qwen3-8b.yaml describes it, every layer, on one device. Variants run in
     # order while the budget allows (each costs about what the first did): the shipped `auto`
-    # attention at one row, the Pallas kernel forced where `auto` chose otherwise, then two rows.
+    # attention at one row, the Pallas kernels (drafter's and target's) forced where `auto` chose
+    # otherwise, then two rows.
     "full": dict(
         target_layers=36,
         drafter_layers=5,
@@ -816,15 +817,16 @@ def stage_target(plan, prior, outdir) -> dict:
 
 
 class _AutoChoice:
-    """Collects the kernel dispatch's ``attention_impl=auto: using ...`` lines (logged once each)."""
+    """Collects a kernel dispatch's ``attention_impl=auto: using ...`` lines (logged once each):
+    the drafter's (``anchored_attention``) or the target's (``segment_attention``)."""
 
-    def __init__(self):
+    def __init__(self, kernel: str = "anchored_attention"):
         import logging
 
         self.lines = []
         handler = logging.Handler(logging.INFO)
         handler.emit = lambda rec: self.lines.append(rec.getMessage())
-        log = logging.getLogger("pallas_kernels.anchored_attention.api")
+        log = logging.getLogger(f"pallas_kernels.{kernel}.api")
         log.setLevel(logging.INFO)
         log.addHandler(handler)
 
@@ -873,7 +875,7 @@ def stage_full(plan, prior, outdir) -> dict:
     deadline = t_start + plan["budget_s"] - 10  # leave time to write the result
     cfg, tc = _full_run_config(p)
     tiles = use_tiles(prior)  # for a forced `pallas`; `auto` takes validated.json's tiles
-    auto = _AutoChoice()
+    auto, target_auto = _AutoChoice(), _AutoChoice("segment_attention")
     device = jax.devices()[0]
     peak = peak_tflops(device.device_kind)
     limit = plan_lib.device_memory_limit([device])
@@ -889,8 +891,10 @@ def stage_full(plan, prior, outdir) -> dict:
     for impl, rows in p["variants"]:
         row = {"attention_impl": impl, "rows": rows}
         out["variants"].append(row)
-        if impl == "pallas" and any("using 'pallas'" in line for line in auto.lines):
-            row["status"] = "skipped: auto already runs pallas"
+        if impl == "pallas" and all(
+            any("using 'pallas'" in line for line in a.lines) for a in (auto, target_auto)
+        ):
+            row["status"] = "skipped: auto already runs pallas (drafter and target)"
             continue
         left = deadline - time.perf_counter() - (0 if first_s is None else 15)  # 15 s: the attention part
         if first_s is not None and left < 1.2 * first_s:
@@ -900,7 +904,11 @@ def stage_full(plan, prior, outdir) -> dict:
             continue
         v0 = time.perf_counter()
         try:
-            c = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, attention_impl=impl))
+            c = dataclasses.replace(  # `pallas` forces both kernels: the drafter's and the target's
+                cfg,
+                drafter=dataclasses.replace(cfg.drafter, attention_impl=impl),
+                target=dataclasses.replace(cfg.target, attention_impl=impl),
+            )
             spec = plan_lib.spec_for_run(c, target_config=tc, seq_len=p["seq"], batch_rows=rows)
             row["drafter_compute_dtype"] = spec.drafter_config.compute_dtype
             row["drafter_matmul_dtype"] = spec.drafter_config.matmul_dtype
@@ -947,6 +955,8 @@ def stage_full(plan, prior, outdir) -> dict:
             progress(out)
         if impl == "auto" and auto.lines:
             out["auto_choice"] = auto.lines[0]
+        if impl == "auto" and target_auto.lines:
+            out["target_auto_choice"] = target_auto.lines[0]
         # the target's attention at the step's shape, once one variant has run
         if "target_attention" not in out and row.get("status") == "ok":
             try:
@@ -1146,6 +1156,8 @@ def full_markdown(fu: dict) -> list[str]:
                      f"{_fmt(r.get('device_peak_gib'))} | {_fmt(r.get('compile_s'), '.0f')} | {status} |")  # fmt: skip
     if fu.get("auto_choice"):
         lines += ["", f"`auto`: {fu['auto_choice']}"]
+    if fu.get("target_auto_choice"):
+        lines += ["", f"target `auto`: {fu['target_auto_choice']}"]
     ta = fu.get("target_attention") or {}
     if "shape" in ta:
         s = ta["shape"]

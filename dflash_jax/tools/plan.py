@@ -50,6 +50,7 @@ class PlanSpec:
     drafter_config: object  # DrafterConfig
     train_section: object  # run_config.TrainSection: the step's settings and the optimizer's
     target_dtype: str = "bfloat16"
+    target_attention_impl: str = "auto"  # target.attention_impl
     batch_rows: int = 8  # R: global packed rows per step
     seq_len: int = 4096  # T
     # ``data.features``: the step reads the target's outputs from the batch (the offline feature
@@ -167,7 +168,12 @@ def abstract_target(spec: PlanSpec, mesh: Mesh):
     from dflash_jax.target.hybrid import build_target_model  # dense or hybrid, by model_type
 
     model = nnx.eval_shape(
-        lambda: build_target_model(spec.target_config, dtype=jnp.dtype(spec.target_dtype), rngs=nnx.Rngs(0))
+        lambda: build_target_model(
+            spec.target_config,
+            dtype=jnp.dtype(spec.target_dtype),
+            rngs=nnx.Rngs(0),
+            attention_impl=spec.target_attention_impl,
+        )
     )
     graphdef, state = nnx.split(model)
     return graphdef, _abstract_with_shardings(state, mesh)
@@ -451,6 +457,7 @@ def spec_for_run(
         drafter_config=parts.drafter_config,
         train_section=train,
         target_dtype=cfg.target.dtype,
+        target_attention_impl=cfg.target.attention_impl,
         batch_rows=batch_rows or parts.data.batch_size,
         seq_len=seq_len or parts.data.max_length,
         cached_features=bool(parts.data.features),
