@@ -313,3 +313,26 @@ def test_a_server_of_another_model_is_refused_before_any_prompt(server, smollm2_
         ServerError, match=r"reads a probe conversation as \d+ prompt tokens, the run's tokenizer"
     ):
         connect(_regen(server), smollm2_dir, qwen, False)
+
+
+def test_the_regeneration_cache_key_ignores_how_answers_are_fetched(tmp_path):
+    """Another server address or concurrency keeps a run's cached (and partial) answers; another
+    backend or turn setting does not."""
+    from dflash_jax.training.regen_cache import regen_key
+    from dflash_jax.training.run_config import load_run_config
+
+    (tmp_path / "config.json").write_text("{}")
+    tok = type("Tok", (), {"name_or_path": "tok", "chat_template": "{{ x }}", "__len__": lambda self: 10})()
+
+    def key(*overrides):
+        return regen_key(load_run_config("demo", ["regen.backend=server", *overrides]), tok, tmp_path)
+
+    base = key("regen.base_urls=http://a:1/v1")
+    assert (
+        key("regen.base_urls=[http://b:2/v1,http://c:3/v1]", "regen.concurrency=64", "regen.retries=9")
+        == base
+    )
+    assert key("regen.base_urls=http://a:1/v1", "regen.timeout_s=5") == base
+    assert key("regen.base_urls=http://a:1/v1", "regen.turns=all") != base
+    assert key("regen.base_urls=http://a:1/v1", "regen.keep_reasoning=false") != base
+    assert regen_key(load_run_config("demo", []), tok, tmp_path) != base
