@@ -114,6 +114,67 @@ def test_a_damaged_or_foreign_file_is_not_resumed(qwen, tmp_path):
         log.append(rec)
 
 
+class EchoServer:
+    """A stand-in for regen_server.ChatServer: answers with the conversation it was sent, so a test
+    sees what history each turn was asked with; reasoning returned apart, as vLLM's parser does."""
+
+    import openai as _openai
+
+    def __init__(self):
+        self.sent = []
+
+    def chat(self, model, messages, **kw):
+        from dflash_jax.decoding.regen_server import ServerAnswer
+
+        self.sent.append([m["content"] for m in messages])
+        return ServerAnswer(f"after {'/'.join(self.sent[-1])}", "thought", stopped=True, prompt_tokens=None)
+
+
+def test_all_turns_are_answered_given_the_regenerated_history(qwen, tmp_path):
+    from dflash_jax.decoding.regeneration import Server
+
+    def turn(role, text):
+        return {"role": role, "content": text}
+
+    records = [
+        {
+            "id": "a",
+            "messages": [
+                turn("user", "u1"),
+                turn("assistant", "old1"),
+                turn("user", "u2"),
+                turn("assistant", "old2"),
+            ],
+        },
+        {"id": "b", "messages": [turn("user", "v1"), turn("assistant", "old"), turn("user", "v2")]},
+    ]
+    echo = EchoServer()
+    backend = Server(
+        echo, "m", max_new_tokens=4, max_prompt_tokens=256, concurrency=2, turns="all", show_progress=False
+    )
+    report = regenerate_file(tmp_path / "o.jsonl", records, qwen, backend, resume=False, keep_reasoning=False)
+    assert report.written == 2 and report.later_turns == 2 and report.stopped_at_eos == 4
+    out = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
+    assert out["a"] == [
+        turn("user", "u1"),
+        turn("assistant", "after u1"),
+        turn("user", "u2"),
+        turn("assistant", "after u1/after u1/u2"),
+    ]
+    assert out["b"][-1] == turn("assistant", "after v1/after v1/v2")  # a trailing user turn is answered too
+    assert sorted(echo.sent) == [["u1"], ["u1", "after u1", "u2"], ["v1"], ["v1", "after v1", "v2"]]
+
+    first = Server(
+        EchoServer(), "m", max_new_tokens=4, max_prompt_tokens=256, concurrency=1, show_progress=False
+    )
+    regenerate_file(tmp_path / "f.jsonl", records[:1], qwen, first, resume=False, keep_reasoning=True)
+    (rec,) = map(json.loads, (tmp_path / "f.jsonl").read_text().splitlines())
+    assert rec["messages"] == [
+        turn("user", "u1"),
+        turn("assistant", "<think>\nthought\n</think>\n\nafter u1"),
+    ]
+
+
 def test_turns_reasoning_and_model_names():
     msgs = [
         {"role": "system", "content": "s"},

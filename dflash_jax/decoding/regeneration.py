@@ -221,8 +221,9 @@ def user_segments(messages: Sequence[dict]) -> list[list[dict]]:
 class Server:
     """``regen.backend: server``: an OpenAI-compatible server answers (``decoding.regen_server``),
     ``concurrency`` conversations at a time. With ``turns="all"`` every assistant turn of a
-    conversation is answered in order, each given the regenerated history; a conversation stops at
-    a turn whose prompt passes ``max_prompt_tokens`` or whose answer is empty."""
+    conversation is answered in order, each given the regenerated history (one with tool turns at
+    its first turn only); a conversation stops at a turn whose prompt passes ``max_prompt_tokens``
+    or whose answer is empty."""
 
     server: object  # regen_server.ChatServer
     model: str
@@ -239,7 +240,10 @@ class Server:
     def _converse(self, tokenizer, rec, first, keep_reasoning) -> tuple[dict | None, dict]:
         rejected = self.server._openai.APIStatusError
         stats = {"stopped_at_eos": 0, "empty": 0, "rejected": 0, "later_turns": 0}
-        segments = [first] if self.turns == "first" else user_segments(rec["messages"])
+        # Tool results answer the original tool calls, which a regenerated history does not make:
+        # a conversation with tool turns is answered at its first turn only.
+        tools = any(m["role"] == "tool" for m in rec["messages"])
+        segments = [first] if self.turns == "first" or tools else user_segments(rec["messages"])
         history: list[dict] = []
         for k, segment in enumerate(segments):
             history = history + segment
