@@ -342,7 +342,10 @@ def regenerate_file(
             )
         report.resumed = len(out.done)
         todo = [p for p in kept if f"{p[0]['id']}" not in out.done]
-        backend.answer(tokenizer, todo, report=report, keep_reasoning=keep_reasoning, on_record=out.append)
+        if todo:
+            backend.answer(
+                tokenizer, todo, report=report, keep_reasoning=keep_reasoning, on_record=out.append
+            )
         report.written = out.finish(order)
     return report
 
