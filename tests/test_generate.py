@@ -152,6 +152,9 @@ def test_dataset_replies_keep_the_first_reply_of_the_prompts_regeneration_would_
         stopped_at_eos=0,
         empty=2,
         answered_by="dataset",
+        resumed=0,
+        rejected=0,
+        later_turns=0,
     )
     assert report.summary().startswith("kept the data's own reply for 2 responses from 6 prompts")
 

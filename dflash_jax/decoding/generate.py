@@ -61,9 +61,12 @@ def generate(
     batch_size: int = 8,
     seed: int = 0,
     progress=None,
+    on_batch=None,
 ) -> list[list[int]]:
     """Generate a continuation for each prompt (token id lists). Each output stops after its first
-    EOS (included) or at ``max_new_tokens``. ``progress(n)`` is called after each batch."""
+    EOS (included) or at ``max_new_tokens``. ``progress(n)`` is called after each batch, and
+    ``on_batch(prompt indices, their outputs)`` as soon as a batch is done (what writes answers as
+    they come)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = sampling or SamplingConfig()
@@ -88,6 +91,8 @@ def generate(
         )
         tokens, n_out = np.asarray(tokens), np.asarray(n_out)
         batch_outputs.append([tokens[r, : n_out[r]].tolist() for r in range(len(idx))])
+        if on_batch is not None:
+            on_batch(list(idx), batch_outputs[-1])
         if progress is not None:
             progress(len(idx))
     return in_prompt_order(batches, batch_outputs)

@@ -9,8 +9,12 @@ answered greedily, ``eval.max_new_tokens`` each: the test answers' text is the h
 tau is replayed on (``decoding.replay``). The result is cached under
 ``assets.cache_root()/regenerated/<digest>``, keyed by what changes the answers: the target, the
 tokenizer and its template, the prompts chosen (``PROMPT_FIELDS`` of the data section and the
-split's version), the generation settings (``regen.answers`` included) and the held-out prompts and
-answer length.
+split's version), the generation settings (``regen.answers`` and ``regen.backend`` included, not
+the server's address or concurrency) and the held-out prompts and answer length. The training
+answers are appended to ``train.partial.jsonl`` as they arrive, so a run stopped while regenerating
+resumes where it stopped when started again (``decoding.answer_log``); ``train.jsonl`` appears when
+all are answered. With ``regen.backend: server`` a server answers the training prompts
+(``decoding.regen_server``); the held-out answers are always this process's own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 from dflash_jax import assets
 from dflash_jax.data import splits
-from dflash_jax.training.run_config import RunConfig
+from dflash_jax.training.run_config import RegenSection, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,23 @@ PROMPT_FIELDS = (
 )
 
 
+# How the answers are fetched, not what they are: left out of the key, so a run can move to more
+# servers, or resume with another concurrency, and keep its cache.
+TRANSPORT_FIELDS = ("base_urls", "concurrency", "timeout_s", "retries")
+# Fields added to RegenSection after caches existed: in the key only when set, so those stay valid.
+LATER_FIELDS = ("backend", "model", "turns", "keep_reasoning")
+
+
+def _regen_key_fields(cfg: RunConfig) -> dict:
+    default = RegenSection()
+    fields = dataclasses.asdict(cfg.regen)
+    return {
+        k: v
+        for k, v in fields.items()
+        if k not in TRANSPORT_FIELDS and not (k in LATER_FIELDS and v == getattr(default, k))
+    }
+
+
 def _stamp(directory: Path) -> list:
     """(name, size, mtime) of the files that define a model directory (``assets.model_files``)."""
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in assets.model_files(directory)]
@@ -59,7 +80,7 @@ def regen_key(cfg: RunConfig, tokenizer, target_dir: Path) -> str:
             "target_dtype": cfg.target.dtype,  # greedy answers differ between float32 and bfloat16
             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template],
             "data": {k: getattr(cfg.data, k) for k in PROMPT_FIELDS},
-            "regen": dataclasses.asdict(cfg.regen),
+            "regen": _regen_key_fields(cfg),
             "eval": [cfg.eval.num_prompts, cfg.eval.max_prompt_tokens, cfg.eval.max_new_tokens],
             "validation_prompts": cfg.eval.validation_prompts,
             "split": splits.VERSION,  # the same fields put other records where
@@ -112,10 +133,12 @@ def regenerated_data(
     from dflash_jax.data import sources
     from dflash_jax.data.pipeline import split_records
     from dflash_jax.decoding.regeneration import (
+        InProcess,
         RegenReport,
+        Server,
         answer_prompts,
         dataset_replies,
-        regenerate_records,
+        regenerate_file,
     )
     from dflash_jax.decoding.sampling import SamplingConfig
 
@@ -127,6 +150,29 @@ def regenerated_data(
     if all(p.is_file() for p in paths):
         log.info("using cached regenerated data in %s", out_dir)
         return paths
+    backend = None
+    if r.answers == "target" and r.backend == "server":
+        # Before anything is generated: a server of another model is refused at no cost.
+        from dflash_jax.decoding.regen_server import connect
+
+        server, model = connect(r, target_dir, tokenizer, cfg.data.enable_thinking)
+        backend = Server(
+            server,
+            model,
+            max_new_tokens=r.max_new_tokens,
+            max_prompt_tokens=r.max_prompt_tokens,
+            concurrency=r.concurrency,
+            turns=r.turns,
+            temperature=r.temperature,
+            enable_thinking=cfg.data.enable_thinking,
+        )
+    elif r.answers == "target":
+        backend = InProcess(
+            target,
+            max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size,
+            sampling=SamplingConfig(temperature=r.temperature),
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     train_idx, _, _ = split_records(cfg.data)
     src = sources.RecordSource(train_idx)
@@ -168,31 +214,40 @@ def regenerated_data(
             seconds=seconds,
         )
 
-    held, test_answers = answer("test", heldout_prompts)
-    _, validation_answers = answer("validation", validation_prompts) if validation_prompts else (None, None)
-    if r.answers == "dataset":
+    # The held-out answers come from this process whatever regen.backend says: tau is replayed on
+    # their token ids exactly as generated, which a server's text does not give back. They are few,
+    # and kept when an interrupted run already wrote them.
+    if not all(p.is_file() for p in (held_path, answers_path, val_path)):
+        held, test_answers = answer("test", heldout_prompts)
+        _, validation_answers = (
+            answer("validation", validation_prompts) if validation_prompts else (None, None)
+        )
+        sources.write_chat_jsonl(held_path, held)
+        test_answers.write(answers_path)
+        (validation_answers or HeldoutAnswers((), (), cfg.eval.max_new_tokens, 0.0)).write(val_path)
+    if backend is None:
         train, rep_t = dataset_replies(
             tokenizer,
             train_records,
             max_prompt_tokens=r.max_prompt_tokens,
             enable_thinking=cfg.data.enable_thinking,
         )
+        sources.write_chat_jsonl(train_path, train)  # last: its presence says the rest is complete
     else:
-        train, rep_t = regenerate_records(
-            target,
-            tokenizer,
+        # Appended as answered; a run stopped part-way resumes from it on the next start.
+        partial = out_dir / "train.partial.jsonl"
+        rep_t = regenerate_file(
+            partial,
             train_records,
+            tokenizer,
+            backend,
+            resume=True,
             max_prompt_tokens=r.max_prompt_tokens,
-            max_new_tokens=r.max_new_tokens,
-            batch_size=r.batch_size,
-            sampling=SamplingConfig(temperature=r.temperature),
             enable_thinking=cfg.data.enable_thinking,
+            keep_reasoning=r.keep_reasoning,
         )
+        partial.replace(train_path)  # last: its presence says the rest is complete
     log.info("train: %s", rep_t.summary())
-    sources.write_chat_jsonl(held_path, held)
-    test_answers.write(answers_path)
-    (validation_answers or HeldoutAnswers((), (), cfg.eval.max_new_tokens, 0.0)).write(val_path)
-    sources.write_chat_jsonl(train_path, train)  # last: its presence says the rest is complete
     return paths
 
 

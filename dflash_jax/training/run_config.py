@@ -222,7 +222,18 @@ class RegenSection:
 
     answers: "target" (the training prompts answered by the target) or "dataset" (the same prompts
     keep the data's own first reply, nothing generated for them; the held-out prompts are still
-    answered by the target)."""
+    answered by the target).
+
+    backend: who answers: "inprocess" (the target in this process, batched by ``batch_size``) or
+    "server" (an OpenAI-compatible server that serves the target, e.g. vLLM, SGLang or
+    ``transformers serve``: ``base_urls``, one or several taken in turn, ``concurrency`` requests
+    at a time, each waited ``timeout_s`` and retried ``retries`` times with backoff; refused before
+    any prompt is sent unless it serves the target, by name (``model``, default the target
+    directory's name) and by a tokenizer probe: ``decoding.regen_server``). turns: "first" answers
+    the first assistant turn of each conversation; "all" (server only) answers every assistant turn
+    in order, each given the regenerated history. keep_reasoning: keep reasoning the target writes
+    (a ``<think>`` block in the reply) or drop it. Answers are written as they arrive and a rerun
+    resumes them (``decoding.answer_log``)."""
 
     enabled: bool = False
     num_prompts: int = 800
@@ -231,14 +242,41 @@ class RegenSection:
     batch_size: int = 16
     temperature: float = 0.0
     answers: Literal["target", "dataset"] = "target"
+    backend: Literal["inprocess", "server"] = "inprocess"
+    base_urls: tuple[str, ...] | str = ()  # e.g. http://localhost:8000/v1; one URL: normalised to a tuple
+    model: str | None = None  # the served model's name, when it is not the target directory's
+    concurrency: int = 16
+    timeout_s: float = 600.0
+    retries: int = 3
+    turns: Literal["first", "all"] = "first"
+    keep_reasoning: bool = True
 
     def __post_init__(self):
+        if isinstance(self.base_urls, str):
+            object.__setattr__(self, "base_urls", (self.base_urls,) if self.base_urls else ())
         check_fields(self)
         if not self.temperature >= 0:
             raise ValueError(f"regen.temperature must be >= 0, got {self.temperature}")
-        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
+        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"regen.{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"regen.retries must be >= 0, got {self.retries}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"regen.timeout_s must be > 0, got {self.timeout_s}")
+        if self.backend == "server":
+            if not self.base_urls:
+                raise ValueError(
+                    "regen.backend=server needs regen.base_urls (e.g. regen.base_urls=http://localhost:8000/v1)"
+                )
+            for url in self.base_urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"regen.base_urls: {url!r} is not an http:// or https:// URL")
+        elif self.turns == "all":
+            raise ValueError(
+                "regen.turns=all answers later turns through a server only: set regen.backend=server "
+                "(the in-process backend answers the first turn)"
+            )
 
 
 @dataclass(frozen=True)
