@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         backend = InProcess(
-            dflash_jax.load_target(target_dir, dtype=cfg.target.dtype),
+            dflash_jax.load_target(
+                target_dir, dtype=cfg.target.dtype, attention_impl=cfg.target.attention_impl
+            ),
             max_new_tokens=r.max_new_tokens,
             batch_size=r.batch_size,
             sampling=SamplingConfig(r.temperature, opts.top_p),
