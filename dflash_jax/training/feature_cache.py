@@ -215,7 +215,7 @@ def row_bytes(*, seq_len: int, hidden_size: int, num_taps: int, dtype, loss: str
 
 
 def human_size(n: float) -> str:
-    """Disk sizes in decimal units, as df and vendors count them: '167.9 MB', '3.36 TB'."""
+    """Disk sizes in decimal units, as disk vendors count them: '168 MB', '3.36 TB'."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
             value = n / size
