@@ -8,6 +8,8 @@ cache matches its run, live in ``dflash_jax/training/feature_cache.py``.
 
 The config is resolved exactly as ``python -m dflash_jax.train`` resolves it (target, tokenizer,
 regenerated data, drafter taps): build the cache with the config (and overrides) you train with.
+Before it writes, the build checks that the disk of ``--out`` holds the cache (rows x the bytes a
+row stores; ``train --plan`` prints the same estimate) and refuses, naming both sizes, if not.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="AOT-compile this config's step on abstract weights, print per-device memory, and exit",
+        help="AOT-compile this config's step on abstract weights, print per-device memory and the feature "
+        "cache's size on disk, and exit",
     )
     p.add_argument(
         "--device-memory",
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"does not fit:\n{e}", file=sys.stderr)
             return 3
         print(text)
+        print(plan.describe_feature_cache(cfg))
         return 0
     try:
         result = run(

@@ -4,6 +4,8 @@ online training, it is refused when made for another run, and a damaged cache is
 from __future__ import annotations
 
 import json
+import math
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -11,13 +13,17 @@ import pytest
 
 from dflash_jax.features import build, main
 from dflash_jax.nested import flatten
+from dflash_jax.tools import plan
 from dflash_jax.train import run
 from dflash_jax.training import step
 from dflash_jax.training.feature_cache import (
+    DISK_MARGIN_MIN,
     CachedBatchIterator,
+    CacheDiskError,
     CacheWriter,
     FeatureCache,
     FeatureCacheError,
+    bound_rows,
 )
 from dflash_jax.training.run_config import load_run_config
 
@@ -68,13 +74,62 @@ def test_cache_training_equals_online(cache, tmp_path, monkeypatch):
     assert online["step"] == cached["step"] == 3
 
 
+def stored_bytes_per_row(manifest) -> dict:
+    """Per array, the bytes a row of a written cache holds (the .npy headers left out)."""
+    out = {}
+    for shard in manifest["shards"]:
+        for name, entry in shard["files"].items():
+            item = np.dtype(getattr(ml_dtypes, manifest["dtypes"][name], manifest["dtypes"][name])).itemsize
+            out[name] = out.get(name, 0) + math.prod(entry["shape"]) * item
+            assert 0 < entry["bytes"] - math.prod(entry["shape"]) * item <= 256  # one header
+    return {name: total // manifest["rows"] for name, total in out.items()}
+
+
+def test_disk_estimate_is_what_the_writer_stores(cache):
+    """The bytes a row that --plan and the disk pre-flight count (from the config, no weight read)
+    are those of the cache's files, array by array; its rows stay within the one-document-a-row
+    bound."""
+    path, manifest = cache
+    assert plan.cache_row_bytes(tiny(path.parent / "build")) == stored_bytes_per_row(manifest)
+    assert manifest["rows"] == 24 <= bound_rows(40, 8) == 40
+    assert bound_rows(41, 8) == 48 and bound_rows(10, 8, num_shards=2) == 16  # 5 documents a shard
+
+
+def fake_disk(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * free, 9 * free, free)
+    )
+
+
+def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch):
+    """A cache bigger than the free space (made small here) is refused before a byte is written,
+    naming the directory, both sizes and $DFLASH_JAX_CACHE; under data.features_minutes the build
+    writes the whole batches that fit instead."""
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    fake_disk(monkeypatch, 1_000_000)
+    with pytest.raises(CacheDiskError) as e:
+        build(tiny(tmp_path / "run"), caches / "c", quiet=True)
+    msg = str(e.value)
+    assert f"feature cache {caches / 'c'}: 24 rows x " in msg  # counted: the 40-row bound did not fit
+    assert "1 MB free on" in msg and "nothing written" in msg and "$DFLASH_JAX_CACHE/features" in msg
+    assert "data.max_records" in msg and "data.max_length, now 128" in msg and "data.features_minutes" in msg
+    assert list(caches.iterdir()) == []
+
+    capped = tiny(tmp_path / "run", "data.features=auto", "data.features_minutes=60")
+    fake_disk(monkeypatch, DISK_MARGIN_MIN + 12 * sum(plan.cache_row_bytes(capped).values()))
+    manifest = build(capped, caches / "c", quiet=True)
+    assert manifest["rows"] == 8 and manifest["complete_epoch"] is False  # one batch of 8 fits
+
+
 @pytest.mark.slow
 def test_kl_cache_training_equals_online(tmp_path):
     """train.loss=kl stores the final normed hidden state and the target's argmax; the loss from
     them equals online (1e-5), with a draft vocabulary (whose mask reads the argmax) too."""
     kl = ["train.loss=kl", "drafter.draft_vocab_size=64"]
-    build(tiny(tmp_path / "build", *kl), tmp_path / "cache", quiet=True)
+    manifest = build(tiny(tmp_path / "build", *kl), tmp_path / "cache", quiet=True)
     assert {"hidden", "labels"} <= set(FeatureCache(tmp_path / "cache").names)
+    assert plan.cache_row_bytes(tiny(tmp_path / "build", *kl)) == stored_bytes_per_row(manifest)
     run(tiny(tmp_path / "online", *kl), quiet=True)
     run(tiny(tmp_path / "cached", *kl, f"data.features={tmp_path / 'cache'}"), quiet=True)
     lo, lc = losses(tmp_path / "online"), losses(tmp_path / "cached")

@@ -32,5 +32,33 @@ def test_plan_reads_no_weight(name, tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(module, attr, refuse)
     one_device = ["mesh.num_devices=1"] if name.startswith("demo") else []  # as a user's CPU
     assert train_main(["--config", name, "--plan", *SMALL, *one_device]) == 0, capsys.readouterr().err
-    assert "plan for layout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan for layout" in out and "feature cache (" in out and "  a row: " in out
     assert list(cache.iterdir()) == []
+
+
+def test_qwen3_8b_feature_cache_at_real_size(monkeypatch):
+    """The shipped qwen3-8b config's cache as --plan prints it (no weight, no data read): 168 MB a
+    row at T=4096 (5 taps x hidden 4096 in bfloat16, plus int32 row arrays and labels), 201 MB with
+    kl's hidden state; 20,000 regenerated documents bound it at 3.36 TB, against the free space."""
+    import shutil
+
+    from dflash_jax.tools import plan
+    from dflash_jax.training.run_config import load_run_config
+
+    cfg = load_run_config("qwen3-8b")
+    ce = sum(plan.cache_row_bytes(cfg).values())
+    assert ce == 4096 * (5 * 4096 * 2 + 5 * 4) == 167_854_080
+    kl = sum(plan.cache_row_bytes(load_run_config("qwen3-8b", ["train.loss=kl"])).values())
+    assert kl - ce == 4096 * 4096 * 2 and round(kl / 1e6) == 201
+
+    def free(n):
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2 * n, n, n))
+        return plan.describe_feature_cache(cfg, records=(20_000, "regen.num_prompts=20000"))
+
+    text = free(4 * 10**12)
+    assert "a row: 168 MB at T=4096 in bfloat16" in text and "at most 20,000 rows x 168 MB = 3.36 TB" in text
+    assert "fits the free space now" in text
+    text = free(10**12)  # 1e12 / 1.02 margin / 167,854,080 = 5,840.7
+    assert "does not fit the free space now" in text and "holds about 5,840 rows" in text
+    assert "DFLASH_JAX_CACHE" in text

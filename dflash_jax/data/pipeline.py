@@ -89,10 +89,11 @@ class DataConfig:
                     features and labels instead of running the target; it must match this run
                     (training/feature_cache.py), and the fields above then only describe the rows it holds
     features_minutes: a cache built for the run (``features: auto``, or ``python -m
-                    dflash_jax.features``) stops after this many minutes of target forwards and the
-                    run trains on the rows built by then (records are shuffled: a random subset of
-                    the epoch), so a slower machine trains more epochs of fewer rows instead of
-                    spending its budget on features. None: the whole epoch
+                    dflash_jax.features``) stops after this many minutes of target forwards, or at
+                    the last whole batch its disk holds, and the run trains on the rows built by
+                    then (records are shuffled: a random subset of the epoch), so a slower machine
+                    trains more epochs of fewer rows instead of spending its budget on features.
+                    None: the whole epoch (refused before writing when the disk cannot hold it)
     """
 
     sources: tuple[str, ...] | str = (data_sources.SHAREGPT,)  # one path: normalised to a tuple

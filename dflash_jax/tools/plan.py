@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -716,6 +717,114 @@ def preflight(cfg, devices, *, parts=None, device_memory: int | None = None) -> 
             f"has {human_bytes(memory.limit)}: {advice}"
         )
     return p, text
+
+
+# --------------------------------------------------------------------------------------------
+# the feature cache on disk
+# --------------------------------------------------------------------------------------------
+
+
+def cache_row_bytes(cfg, parts=None) -> dict[str, int]:
+    """The bytes a row of this run's feature cache stores, per array (``feature_cache.row_bytes``
+    of its target, taps, ``data.max_length`` and loss, in ``target.dtype``, what ``data.features:
+    auto`` stores); of ``parts`` as in :func:`spec_for_run`, reading no weight and no data."""
+    from dflash_jax.training.feature_cache import row_bytes
+
+    if parts is None:
+        from dflash_jax.training.assembly import assemble
+
+        parts = assemble(cfg, abstract=True)
+    return row_bytes(
+        seq_len=parts.data.max_length,
+        hidden_size=parts.target_config.hidden_size,
+        num_taps=len(parts.drafter_config.target_layer_ids),
+        dtype=cfg.target.dtype,
+        loss=cfg.train.loss,
+    )
+
+
+def training_records(cfg) -> tuple[int, str]:
+    """(an upper bound on the documents of one epoch, where it comes from): the training records
+    of ``data.sources`` (indexed: no tokenizer), at most ``regen.num_prompts`` when the run trains
+    on regenerated replies."""
+    from dflash_jax.data.pipeline import split_records
+
+    _, _, report = split_records(cfg.data)
+    records = report.train_records
+    if cfg.regen.enabled and cfg.regen.num_prompts < records:
+        return cfg.regen.num_prompts, f"regen.num_prompts={cfg.regen.num_prompts}"
+    return records, f"the {records:,} training records of data.sources"
+
+
+def describe_feature_cache(cfg, parts=None, *, records: tuple[int, str] | None = None) -> str:
+    """What ``train --plan`` prints about the feature cache: the bytes a row stores, the total for
+    the epoch's rows (a bound of one document a row: the build counts them before writing) and
+    whether the free space of the cache's filesystem holds it now. ``records``: (count, origin)
+    instead of indexing the data (:func:`training_records`)."""
+    from dflash_jax import assets
+    from dflash_jax.data.shards import resolve_num_shards
+    from dflash_jax.training.feature_cache import (
+        MANIFEST,
+        CacheSize,
+        FeatureCache,
+        bound_rows,
+        free_bytes,
+        human_size,
+        size_advice,
+    )
+
+    features = cfg.data.features
+    if features and features != "auto" and (Path(features).expanduser() / MANIFEST).is_file():
+        cache = FeatureCache(features)
+        total = sum(e["bytes"] for sh in cache.shards for e in sh["files"].values())
+        return (
+            f"feature cache {cache.path}: built, {cache.rows:,} rows, {human_size(total)} (nothing to write)"
+        )
+    if features and features != "auto":
+        where = Path(features).expanduser().absolute()
+    else:
+        where = assets.cache_root().absolute() / "features"
+    use = {
+        None: "this run trains online; data.features: auto or python -m dflash_jax.features builds it",
+        "auto": "data.features: auto, under $" + assets.CACHE_ENV,
+    }.get(features, "data.features")
+    if parts is None:
+        from dflash_jax.training.assembly import assemble
+
+        parts = assemble(cfg, abstract=True)
+    per_row = cache_row_bytes(cfg, parts)
+    T, dtype = cfg.data.max_length, cfg.target.dtype
+    taps, hidden = len(parts.drafter_config.target_layer_ids), parts.target_config.hidden_size
+    small = sum(b for name, b in per_row.items() if name not in ("features", "hidden"))
+    arrays = [f"features {human_size(per_row['features'])} ({taps} taps x hidden {hidden})"]
+    if "hidden" in per_row:
+        arrays.append(f"train.loss kl's hidden state {human_size(per_row['hidden'])}")
+    arrays.append(f"int32 row arrays and labels {human_size(small)}")
+    lines = [
+        f"feature cache ({use}): {where}",
+        f"  a row: {human_size(sum(per_row.values()))} at T={T} in {dtype}: {', '.join(arrays)}",
+    ]
+    directory, free = free_bytes(where)
+    try:
+        count, origin = records if records is not None else training_records(cfg)
+    except Exception as e:  # noqa: BLE001 - data not readable here: the per-row figure stands
+        lines.append(f"  rows: unknown here ({e}); {human_size(free)} free on {directory}")
+        return "\n".join(lines)
+    rows = bound_rows(count, cfg.data.batch_size, resolve_num_shards(cfg.data.shards, 1))
+    size = CacheSize(directory, rows, per_row, free)
+    lines += [
+        f"  rows: at most {rows:,}, one per document ({origin}); packing puts short documents "
+        "together, and the build counts the rows before it writes",
+        f"  one epoch: {size.summary()}",
+    ]
+    if size.fits:
+        lines.append("  fits the free space now")
+    else:
+        lines.append(
+            "  the bound does not fit the free space now (the build refuses before writing if the "
+            f"counted rows do not): {size_advice(size, seq_len=T, loss=cfg.train.loss, dtype=dtype)}"
+        )
+    return "\n".join(lines)
 
 
 def check_run_fits(cfg, parts, mesh, device_memory: int | None = None, *, quiet=False):

@@ -33,6 +33,13 @@ files, and the dtype it ran in), the taps, the tokenizer (name, size, chat-templ
 data setting that changes the packed rows (with a content hash of the data files) and what the
 labels are. A run refuses a cache whose identity differs from its own, naming each field and both
 values (:func:`check_identity`).
+
+Before a byte is written the build checks the disk (:func:`check_disk`): the rows times the bytes a
+row stores (:func:`row_bytes`) against the free space of the filesystem that will hold ``DIR``. A
+bound (one document a row) is tried first; when it does not fit, the epoch's packed rows are
+counted (tokenising, no target forward). A build that would not fit is refused, naming the
+directory, both sizes, ``$DFLASH_JAX_CACHE`` and how to cut the size; under
+``data.features_minutes`` it builds the whole batches that fit instead.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -75,6 +83,10 @@ _SAMPLE = 1 << 20
 
 class FeatureCacheError(UserError):
     """A feature cache that is missing, unreadable, corrupt, or made for another run."""
+
+
+class CacheDiskError(FeatureCacheError):
+    """A feature cache that would not fit the free space of its filesystem (refused unwritten)."""
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -181,6 +193,163 @@ def check_identity(cache_identity: dict, run: dict, where: str) -> None:
         )
 
 
+# --------------------------------------------------------------------------- disk
+
+# Judgement, not measurement: room kept beyond the arrays for the .npy headers, the manifest (its
+# label counts reach ~25 bytes per vocabulary entry) and whatever else writes to the disk meanwhile.
+DISK_MARGIN = 0.02  # of the cache's bytes
+DISK_MARGIN_MIN = 256 << 20
+
+
+def row_bytes(*, seq_len: int, hidden_size: int, num_taps: int, dtype, loss: str) -> dict[str, int]:
+    """The bytes one cached row stores, per array, as :func:`write_cache` stores them: the four row
+    arrays and the labels as int32 ``[T]``, the taps' features ``[T, K*H]`` and, under ``kl``, the
+    final hidden state ``[T, H]`` in ``dtype`` (the stored dtype: the target's unless --dtype)."""
+    item = to_dtype(dtype).itemsize
+    out = {name: 4 * seq_len for name in ROW_ARRAYS}
+    out["features"] = seq_len * num_taps * hidden_size * item
+    out["labels"] = 4 * seq_len
+    if loss == "kl":
+        out["hidden"] = seq_len * hidden_size * item
+    return out
+
+
+def human_size(n: float) -> str:
+    """Disk sizes in decimal units, as disk vendors count them: '168 MB', '3.36 TB'."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def free_bytes(path: str | Path) -> tuple[Path, int]:
+    """(the nearest existing directory at or above ``path``, the bytes free to this user on its
+    filesystem): where a cache that does not exist yet will be written."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p, int(shutil.disk_usage(p).free)
+
+
+def bound_rows(records: int, batch_size: int, num_shards: int = 1) -> int:
+    """The most rows one epoch of ``records`` documents packs into: each document fills at most one
+    row (it is truncated to the row), each logical shard packs its own ``records / num_shards``, and
+    the last batch is padded to ``batch_size`` rows."""
+    per_shard = math.ceil(records / num_shards)
+    return math.ceil(per_shard / (batch_size // num_shards)) * batch_size
+
+
+def count_rows(data_cfg, tokenizer, num_shards: int) -> int:
+    """The rows of one epoch of ``data_cfg``, counted by packing it (tokenising; no target)."""
+    from dflash_jax.data.shards import ShardedBatchIterator
+
+    one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
+    rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=num_shards)
+    try:
+        return sum(len(batch["input_ids"]) for batch in rows)
+    finally:
+        rows.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """What a cache of ``rows`` rows of ``per_row`` bytes (per array) needs, against the ``free``
+    bytes of the filesystem of ``directory`` (the nearest existing directory above the cache).
+    ``exact``: the rows were counted; else they are the bound of :func:`bound_rows`."""
+
+    directory: Path
+    rows: int
+    per_row: dict
+    free: int
+    exact: bool = False
+
+    @property
+    def bytes_per_row(self) -> int:
+        return sum(self.per_row.values())
+
+    @property
+    def need(self) -> int:
+        return self.rows * self.bytes_per_row
+
+    @property
+    def margin(self) -> int:
+        return max(math.ceil(DISK_MARGIN * self.need), DISK_MARGIN_MIN)
+
+    @property
+    def fits(self) -> bool:
+        return self.need + self.margin <= self.free
+
+    @property
+    def rows_that_fit(self) -> int:
+        """The most rows the free space holds with the margin."""
+        room = min(self.free - DISK_MARGIN_MIN, self.free / (1 + DISK_MARGIN))
+        return max(0, int(room // self.bytes_per_row))
+
+    def summary(self) -> str:
+        rows = f"{self.rows:,} rows" if self.exact else f"at most {self.rows:,} rows"
+        return (
+            f"{rows} x {human_size(self.bytes_per_row)} = {human_size(self.need)} "
+            f"(+ {human_size(self.margin)} margin); {human_size(self.free)} free on {self.directory}"
+        )
+
+
+def size_advice(size: CacheSize, *, seq_len: int, loss: str, dtype) -> str:
+    """How to make room or store less (the error of :func:`check_disk`, ``train --plan``)."""
+    from dflash_jax import assets
+
+    root = assets.cache_root() / "features"
+    cuts = [
+        "fewer rows (data.max_records=N; with regen, regen.num_prompts=N)",
+        f"shorter rows (data.max_length, now {seq_len}: a row's bytes scale with it)",
+        "a time cap on the build (data.features_minutes=M: it then writes the whole batches that fit)",
+    ]
+    if loss == "kl":
+        cuts.append(f"train.loss=ce (no hidden state: {human_size(size.per_row['hidden'])} a row less)")
+    if to_dtype(dtype).itemsize > 2:
+        cuts.append("python -m dflash_jax.features --dtype bfloat16 (half the features' bytes)")
+    return (
+        f"the free space holds about {size.rows_that_fit:,} rows. Make room, or build on a larger disk: "
+        f"data.features: auto builds under ${assets.CACHE_ENV}/features (now {root}); set "
+        f"{assets.CACHE_ENV} to a directory there, or build with python -m dflash_jax.features --out DIR "
+        f"and train with data.features=DIR. Or store less: {'; '.join(cuts)}"
+    )
+
+
+def check_disk(out, per_row: dict, data_cfg, tokenizer, *, loss: str, dtype) -> int | None:
+    """The disk pre-flight of a build into ``out``, before anything is written: the bound of one
+    document a row first, the counted rows when the bound does not fit. Returns the most rows the
+    build may write: None when the whole epoch fits; under ``data.features_minutes`` the whole
+    batches that fit; otherwise refuses (:class:`CacheDiskError`)."""
+    from dflash_jax.data.pipeline import split_records
+    from dflash_jax.data.shards import resolve_num_shards
+
+    directory, free = free_bytes(out)
+    num_shards = resolve_num_shards(data_cfg.shards, 1)
+    _, _, report = split_records(data_cfg)
+    rows = bound_rows(report.train_records, data_cfg.batch_size, num_shards)
+    size = CacheSize(directory, rows, per_row, free)
+    if not size.fits:
+        log.info("feature cache %s: %s; counting the epoch's packed rows", out, size.summary())
+        size = dataclasses.replace(size, rows=count_rows(data_cfg, tokenizer, num_shards), exact=True)
+    log.info("feature cache %s: %s", out, size.summary())
+    if size.fits:
+        return None
+    batch = data_cfg.batch_size
+    limit = size.rows_that_fit // batch * batch
+    if data_cfg.features_minutes is not None and limit >= batch:
+        log.warning(
+            "feature cache %s: the epoch's %d rows do not fit the free space; under "
+            "data.features_minutes the build stops at %d rows (what fits)",
+            *(out, size.rows, limit),
+        )
+        return limit
+    raise CacheDiskError(
+        f"feature cache {Path(out).expanduser().absolute()}: {size.summary()}: it does not fit, "
+        f"nothing written; {size_advice(size, seq_len=data_cfg.max_length, loss=loss, dtype=dtype)}"
+    )
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -194,16 +363,22 @@ def _save(path: Path, array: np.ndarray) -> None:
     np.save(path, np.ascontiguousarray(array), allow_pickle=False)
 
 
+def refuse_existing(out, overwrite: bool) -> Path:
+    """``out`` resolved; refused when it exists and ``overwrite`` is not set."""
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not overwrite:
+        raise FeatureCacheError(
+            f"{out} already exists: pass --overwrite to replace it, or choose another --out"
+        )
+    return out
+
+
 class CacheWriter:
     """Writes shards of ``rows_per_shard`` rows into a temporary sibling of ``out``; :meth:`finish`
     writes the manifest and renames it to ``out`` (so ``out`` is either complete or absent)."""
 
     def __init__(self, out: Path, *, rows_per_shard: int, overwrite: bool = False):
-        self.out = Path(out).expanduser().resolve()
-        if self.out.exists() and not overwrite:
-            raise FeatureCacheError(
-                f"{self.out} already exists: pass --overwrite to replace it, or choose another --out"
-            )
+        self.out = refuse_existing(out, overwrite)
         self.overwrite = overwrite
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -447,7 +622,9 @@ def write_cache(
     ``dtype``: the stored dtype of features (and hidden states); None keeps the dtype the target
     computes them in (exact). Besides the arrays, the manifest holds the label counts a draft
     vocabulary is chosen from (``training/draft_vocab.py``). With ``data_cfg.features_minutes`` the
-    build stops at the first batch past that many minutes (``complete_epoch: false``)."""
+    build stops at the first batch past that many minutes, or before the first batch that would not
+    fit the disk (``complete_epoch: false``); without it a cache that would not fit is refused
+    before a byte is written (:func:`check_disk`)."""
     import time
 
     import jax
@@ -463,15 +640,26 @@ def write_cache(
 
     t0 = time.perf_counter() if started is None else started
     taps = tuple(int(t) for t in taps)
+    kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
+    one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
+    stored_name = dtype or cfg.target.dtype  # None: the target's own outputs, in its dtype
+    per_row = row_bytes(
+        seq_len=data_cfg.max_length,
+        hidden_size=target.config.hidden_size,
+        num_taps=len(taps),
+        dtype=stored_name,
+        loss=kind,
+    )
+    max_rows = check_disk(
+        refuse_existing(out, overwrite), per_row, one_epoch, tokenizer, loss=kind, dtype=stored_name
+    )
     identity = run_identity(cfg, data_cfg, target_dir, tokenizer, taps)
     writer = CacheWriter(
         out,
         rows_per_shard=-(-rows_per_shard // data_cfg.batch_size) * data_cfg.batch_size,
         overwrite=overwrite,
     )
-    one_epoch = dataclasses.replace(data_cfg, num_epochs=1, features=None)
     rows = ShardedBatchIterator(one_epoch, tokenizer, num_shards=resolve_num_shards(data_cfg.shards, 1))
-    kind, loss_chunk = cfg.train.loss, cfg.train.loss_chunk
 
     @nnx.jit
     def target_outputs(target, batch):
@@ -503,6 +691,10 @@ def write_cache(
                         max_minutes,
                         writer.rows,
                     )
+                    break
+                if max_rows is not None and writer.rows + len(batch["input_ids"]) > max_rows:
+                    complete = False
+                    log.info("the feature cache stops at %d rows: the disk holds no more", writer.rows)
                     break
                 outputs = jax.device_get(target_outputs(target, to_global_batch(batch, sharding)))
                 record = {k: np.asarray(batch[k], np.int32) for k in ROW_ARRAYS}
