@@ -165,9 +165,22 @@ class HeldoutReports:
     ``parts.validation_answers``) tau before training and on the curve is replayed (all prompts,
     full length, seconds; the curve's points at the start and end of training too), and tau after
     training is decoded with the replay beside it; without them everything is decoded (the curve on
-    ``eval.curve_prompts`` validation prompts x ``eval.curve_max_new_tokens``)."""
+    ``eval.curve_prompts`` validation prompts x ``eval.curve_max_new_tokens``). Every validation
+    measurement goes to ``keep_best`` (``hooks.KeepBest``), which keeps the best drafter."""
 
-    def __init__(self, cfg: RunConfig, parts, drafter, eval_step, batches, *, logger, result: dict, run_dir):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts,
+        drafter,
+        eval_step,
+        batches,
+        *,
+        logger,
+        result: dict,
+        run_dir,
+        keep_best=None,
+    ):
         import jax
 
         self.cfg, self.parts, self.drafter, self.eval_step, self.batches = (
@@ -178,6 +191,7 @@ class HeldoutReports:
             batches,
         )
         self.logger, self.result, self.run_dir = logger, result, run_dir
+        self.keep_best = keep_best  # hooks.KeepBest: told every validation measurement
         self.key = jax.random.key(cfg.train.seed + 1)
         self.replay = self._make_replay(parts.eval_prompts, getattr(parts, "eval_answers", None))
         self.validation_replay = self._make_replay(
@@ -280,8 +294,9 @@ class HeldoutReports:
                 max((abs(d) for d in diff), default=0.0),
             )
 
-    def tau_curve(self, step: int) -> None:
-        """Validation-set tau during training, for the curve in metrics.png."""
+    def tau_curve(self, step: int) -> dict:
+        """Validation-set tau during training, for the curve in metrics.png (and the best
+        checkpoint, ``keep_best``); -> its report."""
         cfg = self.cfg
         if self.validation_replay is not None:
             rep, n_tokens = self._replay("validation"), cfg.eval.max_new_tokens
@@ -305,6 +320,9 @@ class HeldoutReports:
             rep["num_prompts"],
             n_tokens,
         )
+        if self.keep_best is not None:
+            self.keep_best.consider(step, rep)
+        return rep
 
     def streak(self, step: int, when: str) -> None:
         metrics = heldout_metrics(self.eval_step, self.drafter, self.parts.target, self.batches, self.key)

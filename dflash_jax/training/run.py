@@ -175,7 +175,7 @@ def _train_between_measurements(
         heldout_batches = [put(b) for b in evaluation.heldout_batches(parts.tokenizer, parts.heldout)]
         heldout = evaluation.HeldoutReports(
             cfg, parts, state.drafter, make_eval_step(cfg.train), heldout_batches,
-            logger=logger, result=result, run_dir=state.run_dir,
+            logger=logger, result=result, run_dir=state.run_dir, keep_best=_keep_best(state),
         )  # fmt: skip
         eval_s = _evaluate_before_training(cfg, heldout, state.step)
         train = within_run_budget(
@@ -210,7 +210,20 @@ def _train_between_measurements(
     result.update(summary(done))
     heldout.streak(done.step, "after")
     heldout.tau("after", done.step)
+    if heldout.keep_best is not None and heldout.keep_best.record is not None:
+        result["best_checkpoint"] = heldout.keep_best.summary()
     logger.close()
+
+
+def _keep_best(state: _PlacedDrafter):
+    """The best drafter by validation tau, kept in ``<run>/best/`` (``hooks.KeepBest``; a resume
+    continues its record); None in a multi-process run, which measures no validation tau."""
+    from dflash_jax.checkpoint import BEST_SUBDIR, BestCheckpoint
+    from dflash_jax.training.hooks import KeepBest
+
+    if jax.process_count() > 1:
+        return None
+    return KeepBest(BestCheckpoint(state.run_dir / BEST_SUBDIR), state.drafter, state.resolved_config)
 
 
 def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step, overwrite: bool) -> Path:
