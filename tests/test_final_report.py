@@ -1,4 +1,6 @@
-"""The best checkpoint by validation tau is kept beside the last ones (issue 60, item 4).
+"""A run's final report: tau on a fixed slice of MT-Bench and HumanEval beside the test set, within
+the time budget (issue 60, item 1), and the best checkpoint by validation tau kept beside the last
+ones (item 4).
 
 ``--resume auto`` twice on a fresh directory (the first starts, the second resumes) is
 ``tests/test_reliability.py::test_resume_auto_starts_a_fresh_dir_then_resumes_it``.
@@ -10,6 +12,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from dflash_jax.checkpoint import read_checkpoint, resolve_checkpoint
 from dflash_jax.drafter.api import get_params
@@ -24,6 +27,7 @@ TAUS = [1.2, 1.5, 1.1, 1.4, 1.3, 1.0]
 
 
 def _tiny(run_dir, *overrides):
+    """The tiny config shrunk to seconds per run, with a validation set and no test-set tau."""
     return load_run_config(
         "tiny",
         [
@@ -80,3 +84,43 @@ def test_best_checkpoint_has_the_highest_validation_tau_survives_rotation_and_re
     expected = next(p for tau, p in measured if tau == 1.5)
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     assert drafter_config == second["drafter"].config
+
+
+def test_final_report_gives_tau_on_a_fixed_benchmark_slice(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _tiny(
+        run_dir,
+        "train.steps=2",
+        "eval.validation_prompts=0",
+        "eval.curve_every_minutes=null",
+        "eval.max_new_tokens=4",
+        "eval.final_bench=[mt-bench, humaneval]",
+        "eval.final_bench_prompts=1",
+    )
+    result = run(cfg, quiet=True)
+    bench = result["bench_after"]
+    assert list(bench) == ["mt-bench", "humaneval"]
+    mt, he = bench["mt-bench"], bench["humaneval"]
+    # MT-Bench's first question, both turns (the second after the target's answer); HumanEval/0
+    assert (mt["num_conversations"], mt["num_prompts"], len(mt["tau_by_turn"])) == (1, 2, 2)
+    assert (he["num_conversations"], he["num_prompts"], he["tau_stderr"]) == (1, 1, None)
+    report = json.loads((run_dir / "eval_after_mt-bench.json").read_text())
+    assert report["ids"] == ["mt-bench/81", "mt-bench/81"] and report["tau"] == mt["tau"] >= 1.0
+    assert json.loads((run_dir / "eval_after_humaneval.json").read_text())["ids"] == ["HumanEval/0"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["split"]: r["tau"] for r in rows if r["split"] in bench} == {
+        k: v["tau"] for k, v in bench.items()
+    }
+
+
+def test_the_time_budget_sets_the_benchmark_slice_aside():
+    import time
+
+    from dflash_jax.training.schedule import training_minutes_in_budget, within_run_budget
+
+    cfg = load_run_config("tiny", ["eval.num_prompts=32", "train.run_minutes=27"])
+    t_start = time.perf_counter() - 420
+    got = within_run_budget(cfg, t_start, 60.0, 0.0, 0, 32, bench_eval_s=90.0).time_limit_minutes
+    assert got == pytest.approx(training_minutes_in_budget(27, 420, 60 + 90), abs=0.01)
+    with pytest.raises(ValueError, match=r"eval.final_bench: unknown set\(s\) \['gsm8k'\]"):
+        load_run_config("tiny", ["eval.final_bench=[gsm8k]"])
