@@ -10,6 +10,11 @@ Layout: ``<run>/checkpoints/<step>/`` with three items,
            for a checkpoint made by ``convert.hf_to_drafter``, ``imported_from``
 
 Saves are asynchronous; keep-last-N is orbax's ``max_to_keep``.
+
+The best drafter by validation tau (``BestCheckpoint``) is kept apart, in ``<run>/best/<step>/``
+(one step, ``state`` holding only ``params``; its ``meta`` adds ``validation_tau``), so the
+rotation of ``checkpoints/`` never deletes it; everything that reads a checkpoint takes
+``<run>/best`` as a path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.drafter.model import WEIGHTS, DFlashDrafter
 
 CHECKPOINTS_SUBDIR = "checkpoints"
+BEST_SUBDIR = "best"
 STATE_ITEM, META_ITEM, CONFIG_ITEM = "state", "meta", "config"
 DRAFTER_CONFIG_KEY = "drafter_config"
 IMPORT_KEY = "imported_from"
@@ -37,11 +43,12 @@ class CheckpointError(ValueError):
     pass
 
 
-def _save_args(state: dict, step: int, data_state: dict | None, config: dict):
+def _save_args(state: dict, step: int, data_state: dict | None, config: dict, extra_meta: dict | None = None):
+    meta = {"step": int(step), "data_state": _jsonable(data_state), **(extra_meta or {})}
     return ocp.args.Composite(
         **{
             STATE_ITEM: ocp.args.StandardSave(state),
-            META_ITEM: ocp.args.JsonSave({"step": int(step), "data_state": _jsonable(data_state)}),
+            META_ITEM: ocp.args.JsonSave(meta),
             CONFIG_ITEM: ocp.args.JsonSave(config),
         }
     )
@@ -135,6 +142,61 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+class BestCheckpoint:
+    """The drafter of the best validation-tau measurement so far, in ``directory`` (a run's
+    ``best/``): one step, params only, its meta recording the step and ``validation_tau``
+    (with ``tau_stderr``, ``num_prompts``, ``method``). A new save replaces the old one."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory).resolve()
+
+    def record(self) -> dict | None:
+        """The meta of the kept best (``step``, ``validation_tau``, ...), None when there is none."""
+        steps = _steps(self.directory)
+        if not steps:
+            return None
+        manager = _manager(self.directory)
+        try:
+            restored = manager.restore(
+                steps[-1], args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+            )
+        except Exception as e:  # noqa: BLE001 - orbax raises many types; name the checkpoint
+            raise CheckpointError(
+                f"cannot read the best checkpoint {self.directory / str(steps[-1])}: {_short(e)}"
+            ) from e
+        finally:
+            manager.close()
+        return {k: v for k, v in dict(restored[META_ITEM]).items() if k != "data_state"}
+
+    def save(self, step: int, drafter, config: dict, record: dict) -> None:
+        """Keep ``drafter``'s params as the best, at ``step``, with ``record`` (``validation_tau``
+        and what it rests on) in its meta; written before this returns, the previous best then
+        removed. Raises ``FloatingPointError`` (nothing written) for non-finite parameters."""
+        params = nnx.to_pure_dict(nnx.state(drafter, WEIGHTS))
+        bad = nonfinite_params(params)
+        if bad:
+            raise FloatingPointError(
+                f"refusing to keep step {step} as the best: parameters not finite: {', '.join(bad[:5])}"
+            )
+        manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=1, enable_async_checkpointing=False, create=True
+            ),
+        )
+        try:
+            # A resume from an earlier step may measure a new best at a step below the kept one.
+            for old in manager.all_steps():
+                if old >= step:
+                    manager.delete(old)
+            manager.save(step, args=_save_args({"params": params}, step, None, config, record), force=True)
+            manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise _save_error(step, self.directory, e) from e
+        finally:
+            manager.close()
 
 
 def nonfinite_params(params: dict) -> list[str]:

@@ -10,7 +10,8 @@ saved): the target (``target.path``, ``target.tokenizer``), the dtypes it traine
 ``eval.validation_prompts`` of the validation set, what recipe A/Bs and other choices are made on;
 each of at most ``eval.max_prompt_tokens`` tokens, answered with ``eval.max_new_tokens``). The
 evaluator's own keys sit in the same ``eval`` section (:class:`EvalOptions`): ``eval.drafter`` (default: the run directory) is one of our checkpoints
-(run dir, ``checkpoints/`` dir or ``<step>`` dir) or an HF drafter directory (z-lab or
+(run dir, ``checkpoints/`` dir, ``<step>`` dir, or the run's ``best/``: the step of the highest
+validation tau) or an HF drafter directory (z-lab or
 speculators layout).
 
 ``eval.bench`` picks the sets, each reported on its own (a list, or comma-separated; default

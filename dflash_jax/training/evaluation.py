@@ -50,6 +50,15 @@ def heldout_metrics(eval_step, drafter, target, batches, key) -> dict | None:
     return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0) for k in ("loss", "streak", "slot_acc")}
 
 
+def final_bench_records(cfg: RunConfig) -> dict[str, list[dict]]:
+    """The conversations of each ``eval.final_bench`` set the final report decodes: the first
+    ``eval.final_bench_prompts`` in the file's order (``BenchmarkUnavailable`` naming the package
+    when a set's wheel is not installed; the run calls this before any model loads)."""
+    from dflash_jax.decoding.benchmarks import load_benchmark
+
+    return {name: load_benchmark(name, cfg.eval.final_bench_prompts) for name in cfg.eval.final_bench}
+
+
 def num_prompts(cfg: RunConfig, split: str) -> int:
     """How many prompts of the ``test`` (``eval.num_prompts``) or ``validation``
     (``eval.validation_prompts``) set tau is measured on."""
@@ -115,6 +124,61 @@ def measure_tau(
     return _tau_report(rep["summary"], [r["tau"] for r in rep["prompts"]], "speculative decoding")
 
 
+def measure_bench_tau(
+    cfg: RunConfig,
+    target,
+    drafter,
+    tokenizer,
+    sets: dict[str, list[dict]],
+    *,
+    max_new_tokens: int | None = None,
+) -> dict[str, dict]:
+    """Greedy speculative decoding of benchmark conversations (``{name: decoding.benchmarks
+    records}``, each turn asked after the target's own answer to the one before), every set's turn
+    t in one batch (two sequential decodes for MT-Bench and HumanEval together, not three); ->
+    ``{name: the report of measure_tau}``, each turn one prompt, with ``num_conversations``,
+    ``tau_by_turn`` and the rows' ``ids``."""
+    from dflash_jax.decoding.evaluation import evaluate_conversations, summarize
+    from dflash_jax.decoding.prompts import stop_token_ids
+
+    records = [r for recs in sets.values() for r in recs]
+    rep = evaluate_conversations(
+        target,
+        drafter,
+        records,
+        tokenizer=tokenizer,
+        enable_thinking=cfg.data.enable_thinking,
+        max_new_tokens=cfg.eval.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        stop_token_ids=stop_token_ids(target.config, tokenizer),
+        batch_size=max(1, len(records)),
+        baseline=False,
+        warmup=False,
+        exact_tail=False,  # as in measure_tau
+    )
+    joint, rows, out = rep["summary"], iter(rep["prompts"]), {}
+    for name, recs in sets.items():  # rows come record by record, turn by turn
+        mine = [next(rows) for r in recs for _ in r["turns"]]
+        s = summarize(
+            mine,
+            block_size=joint["block_size"],
+            max_new_tokens=joint["max_new_tokens"],
+            temperature=joint["temperature"],
+            batch_size=joint["batch_size"],
+            seconds=joint["seconds"],  # of the joint decode
+        )
+        by_turn = [
+            [r["tau"] for r in mine if r.get("turn", 1) == t and r["tau"] is not None]
+            for t in range(1, max(len(r["turns"]) for r in recs) + 1)
+        ]
+        out[name] = _tau_report(s, [r["tau"] for r in mine], "speculative decoding")
+        out[name].update(
+            num_conversations=len(recs),
+            tau_by_turn=[sum(ts) / len(ts) if ts else None for ts in by_turn],
+            ids=[r["id"] for r in mine],
+        )
+    return out
+
+
 def replay_tau(replay, drafter) -> dict:
     """Tau of ``drafter`` by replaying the target's greedy answers (``decoding.replay.Replay``): the
     same report as :func:`measure_tau`, for the prompts and length the answers were made with."""
@@ -153,6 +217,14 @@ def _tau_report(s: dict, per_prompt_tau: list, method: str) -> dict:
 # with trained drafters (tau 1.39 and 1.41) on the same box an hour apart; an untrained drafter
 # takes ~40 % more verify steps. What this leaves uncovered, the run's 30 s margin takes.
 FINAL_DECODE_OVER_ANSWERS = 2.0
+# A turn of the final benchmark slice (eval.final_bench) is set aside as this many test-set prompts
+# of the final decode: its batches are small (decoding time follows the sequential verify steps, not
+# the rows) and MT-Bench's second turn waits for the first. On the demo's shapes 12 turns took 103 s
+# and the 32 test prompts 88 s (3.1x per turn; docs/design.md, "The final report").
+BENCH_TURN_OVER_TEST_PROMPT = 3.0
+# A test-set prompt's share of the final decode when nothing timed it (a resume, or no test
+# prompts): the demo's 32 prompts in schedule.RESUMED_FINAL_EVAL_S
+UNTIMED_TEST_PROMPT_S = 120.0 / 32
 
 
 class HeldoutReports:
@@ -165,9 +237,22 @@ class HeldoutReports:
     ``parts.validation_answers``) tau before training and on the curve is replayed (all prompts,
     full length, seconds; the curve's points at the start and end of training too), and tau after
     training is decoded with the replay beside it; without them everything is decoded (the curve on
-    ``eval.curve_prompts`` validation prompts x ``eval.curve_max_new_tokens``)."""
+    ``eval.curve_prompts`` validation prompts x ``eval.curve_max_new_tokens``). Every validation
+    measurement goes to ``keep_best`` (``hooks.KeepBest``), which keeps the best drafter."""
 
-    def __init__(self, cfg: RunConfig, parts, drafter, eval_step, batches, *, logger, result: dict, run_dir):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts,
+        drafter,
+        eval_step,
+        batches,
+        *,
+        logger,
+        result: dict,
+        run_dir,
+        keep_best=None,
+    ):
         import jax
 
         self.cfg, self.parts, self.drafter, self.eval_step, self.batches = (
@@ -178,12 +263,14 @@ class HeldoutReports:
             batches,
         )
         self.logger, self.result, self.run_dir = logger, result, run_dir
+        self.keep_best = keep_best  # hooks.KeepBest: told every validation measurement
         self.key = jax.random.key(cfg.train.seed + 1)
         self.replay = self._make_replay(parts.eval_prompts, getattr(parts, "eval_answers", None))
         self.validation_replay = self._make_replay(
             getattr(parts, "validation_prompts", ()), getattr(parts, "validation_answers", None)
         )
         self._replay_seconds: dict[str, float] = {}
+        self.bench_records = final_bench_records(cfg)
         if self.replay is not None:
             self.answer_seconds = parts.eval_answers.seconds
 
@@ -207,11 +294,19 @@ class HeldoutReports:
         return bool(self.cfg.eval.curve_every_minutes) and bool(getattr(self.parts, "validation_prompts", ()))
 
     def final_eval_estimate_s(self, before_s: float) -> float:
-        """Seconds to set aside for the decoding after training, ``before_s`` being what the
-        measurement before training took."""
+        """Seconds to set aside for the test set's decoding after training, ``before_s`` being what
+        the measurement before training took."""
         if self.replay is None:
             return before_s  # decoded too; an untrained drafter accepts less, so this errs long
         return FINAL_DECODE_OVER_ANSWERS * self.answer_seconds
+
+    def bench_estimate_s(self, test_s: float) -> float:
+        """Seconds to set aside for the benchmark slice after training (``eval.final_bench``),
+        ``test_s`` being the test set's share (0: not timed)."""
+        turns = sum(len(r["turns"]) for recs in self.bench_records.values() for r in recs)
+        n = len(self.parts.eval_prompts)
+        per_prompt = test_s / n if test_s > 0 and n else UNTIMED_TEST_PROMPT_S
+        return BENCH_TURN_OVER_TEST_PROMPT * turns * per_prompt
 
     def curve_estimate_s(self, before_s: float) -> float:
         """Seconds a curve point takes (on the validation set; ``before_s``: the test set's
@@ -280,8 +375,9 @@ class HeldoutReports:
                 max((abs(d) for d in diff), default=0.0),
             )
 
-    def tau_curve(self, step: int) -> None:
-        """Validation-set tau during training, for the curve in metrics.png."""
+    def tau_curve(self, step: int) -> dict:
+        """Validation-set tau during training, for the curve in metrics.png (and the best
+        checkpoint, ``keep_best``); -> its report."""
         cfg = self.cfg
         if self.validation_replay is not None:
             rep, n_tokens = self._replay("validation"), cfg.eval.max_new_tokens
@@ -305,6 +401,39 @@ class HeldoutReports:
             rep["num_prompts"],
             n_tokens,
         )
+        if self.keep_best is not None:
+            self.keep_best.consider(step, rep)
+        return rep
+
+    def bench(self, step: int) -> None:
+        """Tau after training on the slice of each ``eval.final_bench`` set, beside the test set's:
+        ``eval_after_<set>.json``, the run's result (``bench_after``), logged and the metrics
+        (prefix: the set's name)."""
+        if not self.bench_records:
+            return
+        summary = self.result.setdefault("bench_after", {})
+        reports = measure_bench_tau(
+            self.cfg, self.parts.target, self.drafter, self.parts.tokenizer, self.bench_records
+        )
+        for name, rep in reports.items():
+            rep["bench"] = name
+            (self.run_dir / f"eval_after_{name}.json").write_text(json.dumps(rep, indent=2))
+            self.logger.log(step, {"tau": rep["tau"]}, prefix=name)
+            summary[name] = {
+                k: rep[k] for k in ("tau", "tau_stderr", "num_prompts", "num_conversations", "tau_by_turn")
+            }
+            log.info(
+                "%s tau after training (first %d conversations, %d turns x %d tokens): %.3f +- %.3f (s.e.)%s",
+                name,
+                rep["num_conversations"],
+                rep["num_prompts"],
+                self.cfg.eval.max_new_tokens,
+                rep["tau"],
+                rep["tau_stderr"] or 0.0,
+                ""
+                if len(rep["tau_by_turn"]) < 2
+                else "; by turn: " + " ".join("-" if t is None else f"{t:.3f}" for t in rep["tau_by_turn"]),
+            )
 
     def streak(self, step: int, when: str) -> None:
         metrics = heldout_metrics(self.eval_step, self.drafter, self.parts.target, self.batches, self.key)

@@ -11,7 +11,9 @@ A run (``training/run.py``) adds them in this order, which is the order they act
 - :class:`Checkpoints` (every ``train.checkpoint_every`` steps) and its ``raise_failed_save``
   (every step): a fresh run saves its initial parameters first; every way out but an error saves
   the last step, so ``--resume`` continues the same schedule.
-- :class:`TauCurve`: held-out tau every ``eval.curve_every_minutes`` of training, off the clock.
+- :class:`TauCurve`: validation tau every ``eval.curve_every_minutes`` of training, off the clock;
+  each measurement goes to :class:`KeepBest`, which keeps the drafter with the highest validation
+  tau so far in ``<run>/best/`` (beside the last ``train.keep_checkpoints``, never rotated out).
 - :class:`StopAt`: an explicit last step (``stop_at_step``) and ``train.time_limit_minutes``.
 
 The last checkpoint of a diverging run holds only updates that passed the step check: saves refuse
@@ -231,6 +233,47 @@ class TauCurve:
             with clock.paused():
                 self.measure(info.step)
             self.last = clock.now()
+
+
+class KeepBest:
+    """Keeps the run's best drafter by validation tau: ``consider(step, report)``, after each
+    validation measurement (the curve's points, ``HeldoutReports.tau_curve``), saves the live
+    ``drafter`` at that step through ``best`` (``checkpoint.BestCheckpoint``, with ``config``, the
+    resolved run config) when its tau is higher than every earlier one's (a tie keeps the earlier);
+    a resumed run compares against the record it kept. ``record``: the best so far (``step``,
+    ``validation_tau``, ``tau_stderr``, ``num_prompts``, ``method``) or None."""
+
+    def __init__(self, best, drafter, config: dict):
+        self.best, self.drafter, self.config = best, drafter, config
+        self.record = best.record()
+
+    def consider(self, step: int, report: dict) -> bool:
+        """Whether ``report`` (a tau report of ``training.evaluation``) made ``step`` the best."""
+        tau = float(report["tau"])
+        if self.record is not None and tau <= self.record["validation_tau"]:
+            return False
+        record = {
+            "validation_tau": tau,
+            "tau_stderr": report.get("tau_stderr"),
+            "num_prompts": report.get("num_prompts"),
+            "method": report.get("method"),
+        }
+        self.best.save(step, self.drafter, self.config, record)
+        previous, self.record = self.record, {"step": int(step), **record}
+        log.info(
+            "step %d: validation tau %.3f is the best so far (before: %s); kept in %s",
+            step,
+            tau,
+            "none" if previous is None else f"{previous['validation_tau']:.3f} at step {previous['step']}",
+            self.best.directory,
+        )
+        return True
+
+    def summary(self) -> dict | None:
+        """The best kept, for the run's result: its record and the path eval and export take."""
+        if self.record is None:
+            return None
+        return {**self.record, "path": str(self.best.directory / str(self.record["step"]))}
 
 
 class StopAt:

@@ -64,12 +64,14 @@ def run(
     """
     from dflash_jax.training import run_dir as run_dirs
     from dflash_jax.training.assembly import assemble, load_parts
+    from dflash_jax.training.evaluation import final_bench_records
     from dflash_jax.training.metrics import check_trackers_installed, plot_metrics
 
     t_start = time.perf_counter()
     # Checked before the output dir is touched; resolved once: the pre-flight plans these parts.
     parts = assemble(cfg, init_from=init_from)
     check_trackers_installed(cfg.train.report_to)
+    final_bench_records(cfg)  # the benchmark wheels the final report reads are installed
     primary = distributed.is_primary()  # the one process that logs and writes outputs
     if resume == "auto":
         resume, overwrite = run_dirs.resume_auto(cfg.output_dir, overwrite=overwrite)
@@ -175,16 +177,18 @@ def _train_between_measurements(
         heldout_batches = [put(b) for b in evaluation.heldout_batches(parts.tokenizer, parts.heldout)]
         heldout = evaluation.HeldoutReports(
             cfg, parts, state.drafter, make_eval_step(cfg.train), heldout_batches,
-            logger=logger, result=result, run_dir=state.run_dir,
+            logger=logger, result=result, run_dir=state.run_dir, keep_best=_keep_best(state),
         )  # fmt: skip
         eval_s = _evaluate_before_training(cfg, heldout, state.step)
+        final_s = heldout.final_eval_estimate_s(eval_s)
         train = within_run_budget(
             cfg,
             t_start,
-            heldout.final_eval_estimate_s(eval_s),
+            final_s,
             heldout.curve_estimate_s(eval_s),
             state.step,
             len(parts.eval_prompts),
+            bench_eval_s=heldout.bench_estimate_s(final_s if state.step == 0 else 0.0),
         )
         trainer, summary = _trainer(
             cfg,
@@ -210,7 +214,21 @@ def _train_between_measurements(
     result.update(summary(done))
     heldout.streak(done.step, "after")
     heldout.tau("after", done.step)
+    heldout.bench(done.step)
+    if heldout.keep_best is not None and heldout.keep_best.record is not None:
+        result["best_checkpoint"] = heldout.keep_best.summary()
     logger.close()
+
+
+def _keep_best(state: _PlacedDrafter):
+    """The best drafter by validation tau, kept in ``<run>/best/`` (``hooks.KeepBest``; a resume
+    continues its record); None in a multi-process run, which measures no validation tau."""
+    from dflash_jax.checkpoint import BEST_SUBDIR, BestCheckpoint
+    from dflash_jax.training.hooks import KeepBest
+
+    if jax.process_count() > 1:
+        return None
+    return KeepBest(BestCheckpoint(state.run_dir / BEST_SUBDIR), state.drafter, state.resolved_config)
 
 
 def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step, overwrite: bool) -> Path:
@@ -237,10 +255,11 @@ def _prepare_run_dir(cfg: RunConfig, primary: bool, *, resume: bool, resume_step
 def _prepare_shared_files(cfg: RunConfig, parts, primary: bool) -> None:
     """A multi-process run: what runs on one process only is refused; the files every process
     reads (the tiny target) are made once, by the primary, before the others read them."""
-    if cfg.regen.enabled or cfg.eval.num_prompts:
+    if cfg.regen.enabled or cfg.eval.num_prompts or cfg.eval.final_bench:
         raise ConfigError(
-            "regen.enabled and eval.num_prompts > 0 run on one process only: set regen.enabled=false "
-            "eval.num_prompts=0 for a multi-process run (measure tau with python -m dflash_jax.eval)"
+            "regen.enabled, eval.num_prompts > 0 and eval.final_bench run on one process only: set "
+            "regen.enabled=false eval.num_prompts=0 eval.final_bench=[] for a multi-process run (measure "
+            "tau with python -m dflash_jax.eval)"
         )
     from dflash_jax.training.assembly import prepare_target_dir
 

@@ -288,7 +288,8 @@ class EvalSection:
     measured by real speculative decoding. With ``regen.enabled`` the target's greedy answers to both
     sets' prompts are cached, and before training and on the curve tau is replayed from them
     (``decoding.replay``: the steps decoding would take, in seconds); without them it is decoded, the
-    curve on the first ``curve_prompts`` validation prompts x ``curve_max_new_tokens``."""
+    curve on the first ``curve_prompts`` validation prompts x ``curve_max_new_tokens``. With
+    ``final_bench``, the final report adds tau on a small fixed slice of each benchmark set."""
 
     num_prompts: int = 8
     validation_prompts: int = 8
@@ -298,8 +299,25 @@ class EvalSection:
     curve_every_minutes: float | None = None
     curve_prompts: int = 8
     curve_max_new_tokens: int = 64
+    # Benchmark sets decoded after training beside the test set (``mt-bench``, ``humaneval``: read
+    # from the wheels of ``decoding.benchmarks``), each on its first ``final_bench_prompts``
+    # conversations in the file's order (MT-Bench: two turns each), x ``max_new_tokens``
+    final_bench: tuple[str, ...] = ()
+    final_bench_prompts: int = 4
 
     def __post_init__(self):
+        from dflash_jax.decoding.benchmarks import BENCHMARKS
+
+        unknown = [b for b in self.final_bench if b not in BENCHMARKS]
+        if unknown:
+            raise ValueError(
+                f"eval.final_bench: unknown set(s) {unknown}; known: {', '.join(BENCHMARKS)} (the test set "
+                "is always reported; a prompts file: python -m dflash_jax.eval eval.bench=FILE)"
+            )
+        if len(set(self.final_bench)) != len(self.final_bench):
+            raise ValueError(f"eval.final_bench lists a set twice: {list(self.final_bench)}")
+        if self.final_bench and self.final_bench_prompts < 1:
+            raise ValueError(f"eval.final_bench_prompts must be >= 1, got {self.final_bench_prompts!r}")
         if self.curve_every_minutes is not None and not self.curve_every_minutes > 0:
             raise ValueError(
                 f"eval.curve_every_minutes must be > 0 or null, got {self.curve_every_minutes!r}"

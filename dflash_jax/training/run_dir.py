@@ -27,6 +27,7 @@ from dflash_jax.nested import flatten
 RUN_FILES = (
     "checkpoints",
     "checkpoints.after-step-*",
+    "best",
     "metrics.jsonl",
     "orbax.log",
     "metrics.png",

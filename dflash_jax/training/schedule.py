@@ -148,10 +148,12 @@ def within_run_budget(
     curve_eval_s: float,
     start_step: int,
     num_prompts: int,
+    bench_eval_s: float = 0.0,
 ) -> TrainSection:
     """``cfg.train`` with ``train.run_minutes`` turned into a training time limit: what is left after
-    the final evaluation (``final_eval_s``, estimated from the one before training) and the curve
-    points (``curve_eval_s`` each)."""
+    the final evaluation (``final_eval_s``, estimated from the one before training, and
+    ``bench_eval_s`` for the benchmark slice of ``eval.final_bench``) and the curve points
+    (``curve_eval_s`` each)."""
     train, ev = cfg.train, cfg.eval
     if train.run_minutes is None:
         return train
@@ -166,6 +168,7 @@ def within_run_budget(
         )
     if not (num_prompts and ev.curve_every_minutes):
         curve_eval_s = 0.0
+    final_eval_s += bench_eval_s
     minutes = training_minutes_in_budget(
         train.run_minutes, elapsed, final_eval_s, curve_eval_s, ev.curve_every_minutes
     )
