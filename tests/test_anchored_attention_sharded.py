@@ -39,13 +39,18 @@ def _mesh(shape):
 
 
 @pytest.mark.parametrize(
-    "shape,K",
+    "shape,K,backward",
     [
-        ((2, 2, 2), 4),  # rows over data x fsdp, 2 of the 4 kv heads (and their query heads) per device
-        pytest.param((2, 1, 4), 2, marks=pytest.mark.slow),  # tensor=4 does not divide 2 kv heads: rows only
+        (
+            (2, 2, 2),
+            4,
+            "pallas",
+        ),  # rows over data x fsdp, 2 of the 4 kv heads (and their query heads) per device
+        pytest.param((2, 1, 4), 2, "pallas", marks=pytest.mark.slow),  # tensor=4 does not divide 2 kv heads
+        pytest.param((2, 2, 2), 4, "xla", marks=pytest.mark.slow),  # the Pallas forward, the XLA backward
     ],
 )
-def test_sharded_kernel_equals_one_device(shape, K):
+def test_sharded_kernel_equals_one_device(shape, K, backward):
     qkv, mask = packed_case(0, B=4, T=24, A=4, S=4, N=2 * K, K=K, H=16)
     rng = np.random.default_rng(1)
     cot_o = jnp.asarray(rng.normal(size=qkv[0].shape).astype(np.float32))
@@ -64,7 +69,9 @@ def test_sharded_kernel_equals_one_device(shape, K):
     cot_o, cot_lse = (jax.device_put(c, NamedSharding(mesh, q_spec)) for c in (cot_o, cot_lse))
     with jax.set_mesh(mesh):
         sharded = jax.jit(
-            lambda *a: _values_and_grads(*a, impl="pallas", interpret=True, partition=PARTITION)
+            lambda *a: _values_and_grads(
+                *a, impl="pallas", interpret=True, backward=backward, partition=PARTITION
+            )
         )
         got = sharded(qkv, mask, cot_o, cot_lse)
         hlo = sharded.lower(qkv, mask, cot_o, cot_lse).compile().as_text()
