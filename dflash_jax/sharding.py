@@ -258,6 +258,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, x.shape))
 
 
+def mesh_axes(logical_axis: str, rules=DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes a logical axis maps to under ``rules`` (``()``: replicated)."""
+    axes = dict(rules)[logical_axis]
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def batch_shards(mesh: Mesh | None = None, rules=DEFAULT_RULES) -> int:
     """How many pieces the ``batch`` logical axis splits into on ``mesh`` (the current one by
     default; 1 outside a mesh): data x fsdp under ``DEFAULT_RULES``."""

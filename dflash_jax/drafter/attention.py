@@ -13,6 +13,10 @@ The context part (slots over the T context entries) is the kernel seam:
 ``impl = auto | pallas | xla | reference`` (see that package). The in-block part is a tiny
 ``[S, S]`` attention per block; the two are merged by their log-sum-exps here.
 
+On a mesh the kernels run per device under ``shard_map`` (``Partition``): rows over the mesh axes
+of the ``batch`` rule, kv-head groups over those of ``act_kv_heads`` (sharding.py), the layout
+the activations already have, so no device gathers another's q/k/v.
+
 ``impl="reference"`` instead runs one dense softmax over all ``[T + A*S]`` keys with the full mask
 (memory ``A*S x (T + A*S)``): the obviously correct whole, against which tests check the merge.
 """
@@ -23,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafter.masks import AnchoredMask, block_visible
-from pallas_kernels.anchored_attention import context_attention
+from dflash_jax.sharding import mesh_axes
+from pallas_kernels.anchored_attention import Partition, context_attention
 from pallas_kernels.anchored_attention.common import check_shapes, group, masked_softmax, ungroup
 
 
@@ -44,7 +49,8 @@ def anchored_attention(
 ) -> jax.Array:
     """Attention of every block's slots over its visible context and its own block (see module doc).
 
-    ``kernel_options`` go to ``context_attention`` (``interpret``, ``backward``, ``tiles``)."""
+    ``kernel_options`` go to ``context_attention`` (``interpret``, ``backward``, ``tiles``,
+    ``partition``: default the sharding rules' row and kv-head axes)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, mask)
     if impl == "reference":
@@ -52,6 +58,9 @@ def anchored_attention(
             q, k_ctx, v_ctx, k_blk, v_blk, mask, causal=causal, window=window, scale=scale
         )
     o_blk, lse_blk = _block_part(q, k_blk, v_blk, mask.block_visible(causal, window), scale)
+    kernel_options.setdefault(
+        "partition", Partition(rows=mesh_axes("batch"), heads=mesh_axes("act_kv_heads"))
+    )
     o_ctx, lse_ctx = context_attention(
         q, k_ctx, v_ctx, *mask, window=window, scale=scale, impl=impl, chunk=anchor_chunk, **kernel_options
     )

@@ -307,15 +307,25 @@ class DFlashDrafter(nnx.Module):
         for name, x in (("features", features), ("segment_ids", segment_ids)):
             if x.shape[:2] != (B, T):
                 raise ValueError(f"{name} shape {x.shape} does not start with positions' [B, T] = {(B, T)}")
+        context = self.train_context(features, positions)
+        return self.forward_blocks(context, positions, segment_ids, anchors, anchor_valid, block_embeds)
+
+    def train_context(self, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """The context half of ``forward_train``: every layer's (k_ctx, v_ctx) [B, T, K, H] of the
+        rows, which all their blocks share (a step over anchor chunks computes them once)."""
+        ctx = self.project_context(features)
+        ctx_cos, ctx_sin = self._rope(positions)
+        return [layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin) for layer in self.layers]
+
+    def forward_blocks(self, context, positions, segment_ids, anchors, anchor_valid, block_embeds):
+        """The block half of ``forward_train`` over ``train_context``'s K/V: blocks never see each
+        other (invariant 3), so any subset of a row's anchors gives those blocks' exact outputs."""
         mask = AnchoredMask.for_packed_rows(
             segment_ids, positions, anchors, anchor_valid, block_embeds.shape[2]
         )
-        ctx = self.project_context(features)
-        ctx_cos, ctx_sin = self._rope(positions)
         slot_cos, slot_sin = self._rope(mask.slot_positions)
         x = block_embeds.astype(self.compute_dtype)
-        for layer in self.layers:
-            k_ctx, v_ctx = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
+        for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
             x = layer(x, k_ctx, v_ctx, slot_cos, slot_sin, mask)
         return self.norm(x)
 

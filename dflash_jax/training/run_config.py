@@ -158,6 +158,10 @@ class TrainSection:
     greedy_slots: bool = False
     remat: Literal["none", "full", "dots"] = "none"  # drafter forward recompute in backward
     micro_batches: int = 1  # gradient accumulation: the batch's rows in this many sequential passes
+    # A row's anchors in this many sequential chunks (each chunk's drafter forward, loss and backward
+    # in turn over the shared context K/V; the same update): the drafter's memory of
+    # max_anchors / anchor_chunks anchors a row. Must divide max_anchors (docs/mesh.md)
+    anchor_chunks: int = 1
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 100
@@ -191,6 +195,11 @@ class TrainSection:
             raise ValueError(f"train.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.micro_batches < 1:
             raise ValueError(f"train.micro_batches must be >= 1, got {self.micro_batches}")
+        if self.anchor_chunks < 1 or self.max_anchors % self.anchor_chunks:
+            raise ValueError(
+                f"train.anchor_chunks={self.anchor_chunks} must be >= 1 and divide "
+                f"train.max_anchors={self.max_anchors}"
+            )
         if self.max_update_ratio <= 0:
             raise ValueError(f"train.max_update_ratio must be > 0, got {self.max_update_ratio}")
         if self.feature_noise_std < 0:

@@ -59,6 +59,7 @@ SAFE_ON_RESUME = (
     "train.run_minutes",
     "train.max_nonfinite_steps",
     "train.max_update_ratio",
+    "train.anchor_chunks",  # the same update in less memory, like the mesh
     "train.report_to",
     "eval.*",
     "mesh.*",

@@ -206,6 +206,16 @@ def _drafter_forward(drafter, features, positions, segment_ids, anchors, valid, 
     return drafter.forward_train(features, positions, segment_ids, anchors, valid, embeds)
 
 
+def _block_forward(cfg: TrainSection):
+    """``DFlashDrafter.forward_blocks`` under ``train.remat``'s policy."""
+
+    def forward(drafter, context, positions, segment_ids, anchors, valid, embeds):
+        return drafter.forward_blocks(context, positions, segment_ids, anchors, valid, embeds)
+
+    remat = getattr(cfg, "remat", "none")
+    return forward if remat == "none" else nnx.remat(forward, policy=REMAT_POLICIES[remat])
+
+
 def drafter_loss(drafter, target, batch, key, cfg: TrainSection, *, with_labels: bool = False, anchors=None):
     """Returns (loss, metrics dict). Differentiable w.r.t. the drafter only.
     ``with_labels`` adds the slot labels [R,A,B-1] the loss used (for tests and debugging).
@@ -285,7 +295,7 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
     optimizer state, step counter included, stay as they were, like optax's ``apply_if_finite``)
     and reports ``skipped = 1``; the trainer counts these and stops after a configured number in a
     row, so every checkpointed parameter comes from steps that passed this check."""
-    if getattr(cfg, "micro_batches", 1) == 1:
+    if getattr(cfg, "micro_batches", 1) == 1 and getattr(cfg, "anchor_chunks", 1) == 1:
 
         def loss_fn(model):
             return drafter_loss(model, target, batch, key, cfg)
@@ -325,7 +335,8 @@ def apply_train_step(drafter, optimizer, target, batch, key, cfg: TrainSection, 
 
 
 def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
-    """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups.
+    """Gradient of the full batch's loss from ``cfg.micro_batches`` sequential passes over row groups,
+    each pass over ``cfg.anchor_chunks`` chunks of its rows' anchors (``anchor_chunked_grads``).
 
     Anchors are drawn once for the whole batch; each pass adds the gradient of its loss *sum*, and
     the total is divided by the whole batch's normaliser (the sum of the passes' ones, which carry
@@ -348,6 +359,9 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
 
     def one(grad_acc, x):
         mb, a, v, k = x
+        if getattr(cfg, "anchor_chunks", 1) > 1:
+            g, m = anchor_chunked_grads(graphdef, params, rest, target, mb, k, cfg, (a, v))
+            return jax.tree.map(jnp.add, grad_acc, g), m
 
         def loss_fn(p):
             model = nnx.merge(graphdef, p, rest)
@@ -374,6 +388,92 @@ def accumulated_grads(drafter, target, batch, key, cfg: TrainSection):
         "loss_denominator": denom,
         "slot_count": jnp.sum(slot_count, axis=0),
         "in_vocab_count": jnp.sum(per["in_vocab_count"]),
+    }
+    return grads, metrics
+
+
+def anchor_chunked_grads(graphdef, params, rest, target, batch, key, cfg: TrainSection, anchors):
+    """Gradient of one pass's loss *sum* with its rows' anchors in ``cfg.anchor_chunks`` sequential
+    chunks, and the pass's metrics (``drafter_loss``'s, with ``loss_sum`` and ``loss_denominator``).
+
+    Blocks never see each other (invariant 3) and the loss is a sum over slots, so each chunk's
+    blocks give exactly their share: the target pass, the per-position labels and every layer's
+    context K/V [R, T, K, H] are computed once, then a ``lax.scan`` runs each chunk's drafter
+    forward, loss and backward (gradients w.r.t. the parameters and the context K/V, summed over
+    chunks), and the context's own backward runs once at the end. Memory is one chunk's blocks
+    (A / anchor_chunks per row) at a time, with no recompute (``train.remat`` applies inside a
+    chunk). The normaliser is taken over all chunks' trained slots at once, as the unchunked
+    step takes it. ``anchors``: (anchors, valid) [R, A] drawn for the whole batch."""
+    C = cfg.anchor_chunks
+    anchors, valid = anchors
+    R, A = anchors.shape
+    if A % C:
+        raise ValueError(
+            f"train.anchor_chunks={C} does not divide the {A} anchors of a row (train.max_anchors)"
+        )
+    drafter = nnx.merge(graphdef, params, rest)
+    _, k_noise = jax.random.split(key)  # drafter_loss's split: the same noise for the same key
+    features, hidden, position_labels = target_outputs(target, batch, drafter.config.target_layer_ids)
+    if cfg.feature_noise_std > 0:
+        features = features + cfg.feature_noise_std * jax.random.normal(
+            k_noise, features.shape, features.dtype
+        )
+    lm_head = target.lm_head_weight()
+    if position_labels is None:  # once for all chunks: blocks overlap, and so do the chunks' labels
+        position_labels = target_argmax(hidden, lm_head, chunk=cfg.loss_chunk)
+    embeds = drafter.train_block_embeds(target, batch["input_ids"], anchors)
+    positions, segment_ids = batch["positions"], batch["segment_ids"]
+    context, context_vjp = jax.vjp(
+        lambda p: nnx.merge(graphdef, p, rest).train_context(features, positions), params
+    )
+    forward = _block_forward(cfg)
+    dtype = to_dtype(cfg.compute_dtype)
+
+    def chunk_loss(p, context, a, v, e):
+        model = nnx.merge(graphdef, p, rest)
+        draft = forward(model, context, positions, segment_ids, a, v, e)
+        head = constrain(model.head_weight(target), HEAD_AXES)
+        _, extra = block_loss(
+            draft, hidden, a, v, batch["loss_mask"], segment_ids, lm_head, cfg,
+            draft_logits=lambda h: model.logits(h, target, compute_dtype=dtype, head=head),
+            position_labels=position_labels,
+            draft_vocab=None if model.draft_vocab is None else model.draft_vocab[...],
+            draft_head=head, input_ids=batch["input_ids"],
+        )  # fmt: skip
+        keep = ("loss_sum", "trained", "streak", "slot_acc", "slot_count", "in_vocab_count")
+        return extra["loss_sum"], {k: extra[k] for k in keep} | {"anchors": jnp.sum(v)}
+
+    def one(acc, x):
+        (_, m), g = jax.value_and_grad(chunk_loss, argnums=(0, 1), has_aux=True)(params, context, *x)
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g), m
+
+    def split(x):  # [R, A, ...] -> [C, R, A / C, ...]: contiguous chunks keep anchors sorted
+        x = jnp.moveaxis(x.reshape(R, C, A // C, *x.shape[2:]), 1, 0)
+        return constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+    # The context's gradient is summed over chunks in fp32 (its activations may be bf16).
+    zeros = jax.tree.map(
+        lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), (params, context)
+    )
+    (g_params, g_context), per = jax.lax.scan(one, zeros, (split(anchors), split(valid), split(embeds)))
+    (g_from_context,) = context_vjp(jax.tree.map(lambda g, x: g.astype(x.dtype), g_context, context))
+    grads = jax.tree.map(jnp.add, g_params, g_from_context)
+    trained = jnp.moveaxis(per["trained"], 0, 1).reshape(R, A, -1)
+    denominator = slot_loss_denominator(trained, scheme=cfg.loss_weighting, gamma=cfg.gamma)
+    loss_sum = jnp.sum(per["loss_sum"])
+    n_valid = per["anchors"]  # [C]
+    slot_count = per["slot_count"]  # [C, B-1]
+    metrics = {
+        "loss_sum": loss_sum,
+        "loss_denominator": denominator,
+        "slot_count": jnp.sum(slot_count, axis=0),
+        "in_vocab_count": jnp.sum(per["in_vocab_count"]),
+        "loss": loss_sum / denominator,
+        "streak": jnp.sum(per["streak"] * n_valid) / jnp.maximum(jnp.sum(n_valid), 1),
+        "slot_acc": jnp.sum(per["slot_acc"] * slot_count, axis=0)
+        / jnp.maximum(jnp.sum(slot_count, axis=0), 1),
+        "anchors": jnp.sum(n_valid),
+        "tokens": jnp.sum(segment_ids != 0),
     }
     return grads, metrics
 

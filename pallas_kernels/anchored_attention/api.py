@@ -13,12 +13,22 @@ Implementations (``impl``):
   kind, head_dim, G, dtype, window) -- ``pallas`` with the recorded tiles, or ``tokamax`` -- and
   ``xla`` for any configuration no GPU check has validated; ``xla`` off GPU. Each choice is
   logged once, with the reason.
+
+On a mesh (``partition``): XLA's partitioner cannot split a kernel's custom call, so it would
+gather every device's q/k/v and run all rows everywhere. ``pallas`` and ``tokamax`` therefore run
+under ``jax.shard_map``: rows over ``Partition.rows``' mesh axes, kv-head groups (a kv head with
+its G query heads, so GQA stays local) over ``Partition.heads``'; each device calls the kernel on
+its own rows and heads. An axis that does not divide its dimension (a decode batch of 1, 8 kv
+heads on 16 devices) is left out and that dimension is whole on each of its devices. ``xla`` and
+``reference`` are plain XLA, which the partitioner splits by itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +83,50 @@ def resolve_impl(impl: str, **shape) -> str:
     return chosen
 
 
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Mesh axes the kernel's operands are split over: ``rows`` (the batch dimension of every
+    operand), ``heads`` (kv heads of k, v and the query heads of each kv group). The axes of the
+    current mesh (``jax.set_mesh`` / ``use_abstract_mesh``) of size 1, or absent, are ignored."""
+
+    rows: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
+
+
+def _usable_axes(mesh, axes: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """The mesh axes of ``axes`` that split (size > 1, not already manual), if together they
+    divide ``size``; else none."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in manual)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def on_mesh(fn, partition: Partition | None, q, k, v, *mask):
+    """``fn(q, k, v, *mask) -> (out, lse)`` per device under ``jax.shard_map`` (rows and kv-head
+    groups as ``partition`` says, see the module doc); ``fn`` itself outside a mesh or when no axis
+    splits anything."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if partition is None or mesh is None or mesh.empty:
+        return fn(q, k, v, *mask)
+    rows = _usable_axes(mesh, tuple(partition.rows), q.shape[0])
+    heads = _usable_axes(mesh, tuple(a for a in partition.heads if a not in rows), k.shape[2])
+    if not rows and not heads:
+        return fn(q, k, v, *mask)
+    P = jax.sharding.PartitionSpec
+    r, h = rows or None, heads or None
+    q_spec, kv_spec = P(r, None, None, h, None), P(r, None, h, None)
+    mask_specs = tuple(P(r) for _ in mask)
+    sharded = jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, *mask_specs),
+        out_specs=(q_spec, P(r, None, None, h)),
+        axis_names=frozenset(rows + heads),  # the other axes stay automatic
+        check_vma=False,  # pallas_call has no replication rule; every operand and output is split
+    )
+    return sharded(q, k, v, *mask)
+
+
 def context_attention(
     q: jax.Array,
     k: jax.Array,
@@ -91,6 +145,7 @@ def context_attention(
     backward: str = "pallas",
     tiles=None,
     tokamax_implementation: str | None = None,
+    partition: Partition | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of block slots over the context entries they see (mask.py, invariant 3).
 
@@ -103,7 +158,8 @@ def context_attention(
     switch: the Pallas forward with the chunked XLA backward; with ``tokamax``, whose backward
     is always ours, which one). ``tiles``: ``pallas_triton.TileConfig`` (default: the validated entry's,
     else ``TileConfig.default``). ``tokamax_implementation``: tokamax's ``mosaic`` (default on GPU),
-    ``triton`` or ``xla`` (default off GPU: the dense op, for tests).
+    ``triton`` or ``xla`` (default off GPU: the dense op, for tests). ``partition``: the mesh axes
+    of rows and kv heads for ``pallas`` and ``tokamax`` (``Partition``; None: the whole arrays).
     """
     check_shapes(q, k, v, ctx_segment_ids, ctx_positions, anchors, anchor_segment_ids, slot_positions)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -137,17 +193,20 @@ def context_attention(
         if why is not None:
             raise ValueError(f"impl='tokamax': {why}; pip install tokamax, or use 'pallas' / 'xla'")
         implementation = tokamax_implementation or ("mosaic" if not interpret else "xla")
-        return tokamax_impl.context_attention_tokamax(
-            q, k, v, *mask, window=window, scale=scale, implementation=implementation,
-            backward=backward, interpret=interpret, tiles=tiles, chunk=chunk,
+        tokamax = functools.partial(
+            tokamax_impl.context_attention_tokamax, window=window, scale=scale,
+            implementation=implementation, backward=backward, interpret=interpret, tiles=tiles, chunk=chunk,
         )  # fmt: skip
+        return on_mesh(tokamax, partition, q, k, v, *mask)
     pallas = functools.partial(
         pallas_triton.context_attention_pallas, window=window, scale=scale, interpret=interpret, tiles=tiles
     )
     if backward == "pallas":
-        return pallas(q, k, v, *mask)
+        return on_mesh(pallas, partition, q, k, v, *mask)
     xla = functools.partial(context_attention_xla, window=window, scale=scale, chunk=chunk)
-    return _pallas_forward_xla_backward(pallas, xla, q, k, v, mask)
+    return on_mesh(
+        lambda q, k, v, *m: _pallas_forward_xla_backward(pallas, xla, q, k, v, m), partition, q, k, v, *mask
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
