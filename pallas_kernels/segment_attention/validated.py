@@ -16,38 +16,24 @@ Entry::
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-TABLE_PATH = Path(__file__).with_name("validated.json")
-KEY_FIELDS = ("device_kind", "head_dim", "groups", "dtype")
+from pallas_kernels.validated_table import ValidatedTable
 
 
-def load(path: Path = TABLE_PATH) -> list[dict]:
-    rows = json.loads(path.read_text())["validated"] if path.exists() else []
-    for i, row in enumerate(rows):
-        missing = [f for f in KEY_FIELDS if f not in row]
-        if missing:
-            raise ValueError(f"{path}: entry {i} lacks {missing}")
-    return rows
-
-
-def key(device_kind: str, head_dim: int, groups: int, dtype: str) -> tuple:
+def _key(device_kind: str, head_dim: int, groups: int, dtype: str) -> tuple:
     return (device_kind, int(head_dim), int(groups), str(dtype))
 
 
-def lookup(device_kind, head_dim, groups, dtype, table: list[dict] | None = None) -> dict | None:
-    """The validated entry for this configuration, or None."""
-    want = key(device_kind, head_dim, groups, dtype)
-    for row in load() if table is None else table:
-        if key(*(row[f] for f in KEY_FIELDS)) == want:
-            return row
-    return None
+TABLE = ValidatedTable(
+    Path(__file__).with_name("validated.json"),
+    key_fields=("device_kind", "head_dim", "groups", "dtype"),
+    normalise=_key,
+)
+TABLE_PATH, KEY_FIELDS = TABLE.path, TABLE.key_fields
+load, key, write = TABLE.load, TABLE.key, TABLE.write
 
 
-def write(rows: list[dict], path: Path = TABLE_PATH) -> None:
-    """Replace the entries with the same key by ``rows``; keep the others."""
-    new = {key(*(r[f] for f in KEY_FIELDS)): r for r in rows}
-    kept = [r for r in load(path) if key(*(r[f] for f in KEY_FIELDS)) not in new]
-    merged = sorted([*kept, *new.values()], key=lambda r: key(*(r[f] for f in KEY_FIELDS)))
-    path.write_text(json.dumps({"validated": merged}, indent=2) + "\n")
+def lookup(*values, table: list[dict] | None = None) -> dict | None:
+    """The validated entry for ``values`` (the key fields in order), or None."""
+    return TABLE.lookup(*values, table=load() if table is None else table)  # ``load`` as patched
