@@ -120,21 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     target_dir, tok_dir = target_and_tokenizer_dirs(cfg, config.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     if r.backend == "server":
-        from dflash_jax.decoding.regen_server import connect
-
         # Checked before a prompt is read or sent; the target's weights are never loaded here.
-        server, model = connect(r, target_dir, tokenizer, cfg.data.enable_thinking)
-        backend = Server(
-            server,
-            model,
-            max_new_tokens=r.max_new_tokens,
-            max_prompt_tokens=r.max_prompt_tokens,
-            concurrency=r.concurrency,
-            turns=r.turns,
-            temperature=r.temperature,
-            top_p=opts.top_p,
-            seed=opts.seed,
-            enable_thinking=cfg.data.enable_thinking,
+        backend = Server.connect(
+            r, target_dir, tokenizer, cfg.data.enable_thinking, top_p=opts.top_p, seed=opts.seed
         )
     else:
         backend = InProcess(

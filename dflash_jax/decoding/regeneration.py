@@ -237,6 +237,26 @@ class Server:
     enable_thinking: bool | None = None
     show_progress: bool = True
 
+    @classmethod
+    def connect(cls, regen, target_dir, tokenizer, enable_thinking, **decoding) -> Server:
+        """The backend of ``regen`` (a ``RegenSection``) once ``regen_server.connect`` has checked
+        that every URL serves the target: nothing is generated before that. ``decoding``: ``top_p``,
+        ``seed``."""
+        from dflash_jax.decoding.regen_server import connect
+
+        server, model = connect(regen, target_dir, tokenizer, enable_thinking)
+        return cls(
+            server,
+            model,
+            max_new_tokens=regen.max_new_tokens,
+            max_prompt_tokens=regen.max_prompt_tokens,
+            concurrency=regen.concurrency,
+            turns=regen.turns,
+            temperature=regen.temperature,
+            enable_thinking=enable_thinking,
+            **decoding,
+        )
+
     def _converse(self, tokenizer, rec, first, keep_reasoning) -> tuple[dict | None, dict]:
         rejected = self.server._openai.APIStatusError
         stats = {"stopped_at_eos": 0, "empty": 0, "rejected": 0, "later_turns": 0}

@@ -153,19 +153,7 @@ def regenerated_data(
     backend = None
     if r.answers == "target" and r.backend == "server":
         # Before anything is generated: a server of another model is refused at no cost.
-        from dflash_jax.decoding.regen_server import connect
-
-        server, model = connect(r, target_dir, tokenizer, cfg.data.enable_thinking)
-        backend = Server(
-            server,
-            model,
-            max_new_tokens=r.max_new_tokens,
-            max_prompt_tokens=r.max_prompt_tokens,
-            concurrency=r.concurrency,
-            turns=r.turns,
-            temperature=r.temperature,
-            enable_thinking=cfg.data.enable_thinking,
-        )
+        backend = Server.connect(r, target_dir, tokenizer, cfg.data.enable_thinking)
     elif r.answers == "target":
         backend = InProcess(
             target,
