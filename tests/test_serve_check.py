@@ -115,3 +115,69 @@ def test_gate_passes_on_the_export_and_fails_on_swapped_layers(setup, tmp_path):
         assert float(m.group(2)) == pytest.approx(row[client], abs=1e-3)
         assert float(m.group(3)) == pytest.approx(row["ours"], abs=1e-3)
         assert abs(row[client] - row["ours"]) > 0.05
+
+
+@pytest.mark.slow
+def test_overfit_gate_one_sample_is_reproduced_through_both_clients(tmp_path, capsys):
+    """SpecForge's serving gate: a drafter trained on one sample until it reproduces it accepts
+    nearly the whole block on that sample, in our evaluator and in both clients, through the
+    command line. The sample is a random Qwen3 target's own greedy answer (28 distinct tokens
+    of 40, not a repeated one); an untrained drafter accepts little of it."""
+    import transformers
+    from hf_fixtures import ends, normal, randomise, tiny_hf_config
+
+    import dflash_jax
+    from dflash_jax.decoding.evaluation import evaluate
+    from dflash_jax.decoding.generate import generate
+    from dflash_jax.training.run import run
+    from dflash_jax.training.run_config import load_run_config
+
+    torch.manual_seed(0)
+    config = tiny_hf_config("qwen3")
+    config.vocab_size = 49152  # the SmolLM2 tokenizer's, for the run's chat-template checks
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomise(hf, ((ends("norm.weight"), normal(1.0, 0.2)), (ends(".bias"), normal(0.0, 0.1))))
+    target_dir = tmp_path / "target"
+    hf.save_pretrained(target_dir)
+    target = dflash_jax.load_target(target_dir)
+    prompt = prompt_ids(12, 49152, seed=0)[0].tolist()
+    answer = generate(target, [prompt], max_new_tokens=40)[0]
+    assert len(set(answer)) > 20
+    sample = json.dumps({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+    data = tmp_path / "one.jsonl"
+    data.write_text((sample + "\n") * 8)  # one sample, a batch of 8 rows over 8 devices
+    (tmp_path / "prompt.jsonl").write_text(json.dumps({"id": "sample", "input_ids": prompt}) + "\n")
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"output_dir={run_dir}",
+        f"target.path={target_dir}",
+        f"data.sources=[{data}]",
+        "data.heldout_count=0",
+        "data.max_length=64",
+        "train.steps=200",
+        "train.warmup_steps=5",
+        "train.checkpoint_every=200",
+        "eval.num_prompts=0",
+    ]
+    result = run(load_run_config("tiny", overrides), quiet=True)
+    B = result["drafter"].config.block_size
+    untrained = init_drafter(result["drafter"].config, target, 0)
+    before = evaluate(target, untrained, [prompt], max_new_tokens=40, baseline=False, warmup=False)
+    assert before["summary"]["tau"] < 2.0, before["summary"]
+
+    report_file = tmp_path / "gate.json"
+    rc = serve_check.main(
+        ["--config", str(run_dir), f"eval.prompts={tmp_path / 'prompt.jsonl'}", "eval.max_new_tokens=40"]
+        + ["--json", str(report_file)]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads(report_file.read_text())
+    assert report["clients"] == {"zlab": "ok", "speculators": "ok"}
+    (row,) = report["prompts"]
+    # 40 tokens: the prefill's, nine full blocks of B, and a last step of 3: tau 3.9 at B = 4
+    assert row["ours"] == row["zlab"] == row["speculators"] >= B - 0.5, row
+    assert (
+        f'"num_speculative_tokens": {B - 1}' in out and "vllm serve" in out and "sglang.launch_server" in out
+    )
