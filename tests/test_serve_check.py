@@ -79,7 +79,7 @@ def _check(setup, exports, **kw):
 
 
 def test_gate_passes_on_the_export_and_fails_on_swapped_layers(setup, tmp_path):
-    exports = serve_check.export_both(setup["run"], tmp_path / "exports")
+    exports = serve_check.export_both(setup["run"], tmp_path / "exports", verifier=str(setup["dir"]))
     report = _check(setup, exports)
     assert report["clients"] == {"zlab": "ok", "speculators": "ok"}
     assert not report["failures"], report["failures"]

@@ -4,7 +4,7 @@ what our evaluator accepts (``python -m dflash_jax.serve_check``, ``dflash-serve
   python -m dflash_jax.serve_check --config RUN_DIR [key=value ...] [--out EXPORT_DIR] [--json OUT]
 
 1. The run's drafter (``eval.step``, default the latest checkpoint) is exported in both formats,
-   float32 (``convert.drafter_to_hf``), under ``--out`` (default ``RUN_DIR/serve_check``, replaced
+   float32 (``convert.drafter_to_hf``'s writers), under ``--out`` (default ``RUN_DIR/serve_check``, replaced
    on every run): z-lab's (``zlab/``; refused, and that leg left out, for a drafter with a draft
    vocabulary) and speculators' (``speculators/``).
 2. Our evaluator (``dflash_jax.decoding.evaluation.evaluate``, exact tail) decodes the prompts
@@ -85,27 +85,32 @@ class NotComparable(ValueError):
 # ------------------------------------------------------------------------------------------
 
 
-def export_both(checkpoint, out: Path, *, step=None, verifier=None) -> dict[str, Path | str]:
-    """Export ``checkpoint`` to ``out/zlab`` and ``out/speculators`` (float32) -> {client: dir},
-    or for a format that refuses the drafter, the reason (a string)."""
-    from convert.drafter_to_hf import export
+def export_both(checkpoint, out: Path, *, verifier, step=None) -> dict[str, Path | str]:
+    """Export ``checkpoint`` to ``out/zlab`` and ``out/speculators`` in float32, replacing what is
+    there, with ``convert.drafter_to_hf``'s writers -> {client: dir}, or for z-lab's format and a
+    drafter with a draft vocabulary (which it cannot hold), the reason (a string)."""
+    import shutil
 
+    from convert.speculators import write_speculators_drafter
+    from convert.zlab_drafter import write_zlab_drafter
+    from dflash_jax.checkpoint import nonfinite_params, read_checkpoint
+
+    config, params, _ = read_checkpoint(checkpoint, step)
+    bad = nonfinite_params(params)
+    if bad:
+        raise FloatingPointError(f"checkpoint {checkpoint}: parameters not finite ({', '.join(bad[:5])})")
     exports: dict[str, Path | str] = {}
     for fmt in CLIENTS:
-        try:
-            exports[fmt] = export(
-                checkpoint,
-                Path(out) / fmt,
-                step=step,
-                fmt=fmt,
-                dtype="float32",
-                verifier=verifier,
-                overwrite=True,
+        path = Path(out) / fmt
+        shutil.rmtree(path, ignore_errors=True)
+        if fmt == "zlab" and config.draft_vocab_size is not None:
+            exports[fmt] = (
+                f"z-lab's format holds no draft vocabulary (draft_vocab_size={config.draft_vocab_size})"
             )
-        except ValueError as e:
-            if fmt == "speculators":
-                raise
-            exports[fmt] = str(e)  # z-lab's format holds no draft vocabulary
+        elif fmt == "zlab":
+            exports[fmt] = write_zlab_drafter(path, config, params, dtype="float32")
+        else:
+            exports[fmt] = write_speculators_drafter(path, config, params, dtype="float32", verifier=verifier)
     return exports
 
 
@@ -443,8 +448,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg, opts = config.run, config.options
 
     import dflash_jax
-    from convert.drafter_to_hf import recorded_verifier
-    from dflash_jax.checkpoint import read_checkpoint
     from dflash_jax.decoding.prompts import stop_token_ids
     from dflash_jax.loading import load_drafter
     from dflash_jax.training.assembly import target_and_tokenizer_dirs
@@ -456,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, target, step=opts.step, attention_impl="xla", compute_dtype="float32", matmul_dtype="float32"
     )
     ids, prompts, tok = _prompts(cfg, opts, tok_dir)
-    _, _, run_config = read_checkpoint(run_dir, opts.step)
-    verifier = opts.verifier or recorded_verifier(run_config, run_dir, opts.step) or str(target_dir)
+    # The verifier recorded and served: a target named by its hub name keeps it, a local one its path.
+    named = cfg.target.path not in ("tiny", "smollm2") and not Path(cfg.target.path).expanduser().is_dir()
+    verifier = opts.verifier or (cfg.target.path if named else str(Path(target_dir).resolve()))
 
     out = Path(args.out) if args.out else Path(run_dir) / EXPORT_SUBDIR
     if args.out and out.exists() and any(out.iterdir()) and not args.overwrite:
