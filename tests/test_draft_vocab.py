@@ -444,11 +444,9 @@ def test_inconsistent_vocab_mappings_are_refused():
 def test_speculators_loads_the_export(target, target_dir, tmp_path):
     """speculators 0.9.0 itself: no missing keys, and its draft tokens for one block equal ours.
 
-    Not in the project's environment (its requirements pin transformers <= 5.19 and pull in
-    datasets, openai and hs-connectors); run here with ``pip install --no-deps speculators==0.9.0
-    loguru pydantic-settings`` and then ``pip install -c <our pins> openai 'datasets<=5.1.0'
-    hs-connectors==0.9.0`` in the venv."""
-    pytest.importorskip("speculators", reason="speculators 0.9.0 is not installed here")
+    scripts/setup.sh installs it --no-deps (its requirements pin transformers <= 5.19) with the
+    few packages its import chain needs."""
+    pytest.importorskip("speculators", reason="speculators 0.9.0 is installed by scripts/setup.sh")
     torch = pytest.importorskip("torch")
     from importlib.metadata import version
 
