@@ -500,6 +500,9 @@ def test_speculators_loads_the_export(target, target_dir, tmp_path):
 # --------------------------------------------------------------------------- resume
 
 
+# slow: two tiny runs (~60 s on 2 cores); the suite checks the same refusal for other keys
+# (test_reliability.py::test_resume_refuses_shape_or_data_changes_naming_the_keys)
+@pytest.mark.slow
 def test_resume_with_another_draft_vocab_size_is_refused(tmp_path):
     from dflash_jax.config_io import ConfigError
     from dflash_jax.training.run import run
