@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.sharding import _current_mesh
+from pallas_kernels.padding import pad_axis1 as _pad_axis1
 
 BATCH_MESH_AXES = ("data", "fsdp")  # what ``batch`` maps to (sharding.DEFAULT_RULES)
 
@@ -100,15 +101,6 @@ def attend_reference(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=No
     # A query that sees no key at all (never produced by the masks above) would get a uniform mix.
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(B, T, N, H)
-
-
-def _pad_axis1(x, multiple: int, value):
-    pad = (-x.shape[1]) % multiple
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def attend(q, k, v, q_index, q_segment, kv_segment, scale, *, sinks=None, window=None, impl: str = "xla"):

@@ -26,6 +26,7 @@ from pallas_kernels.anchored_attention.budget import (
     SHARED_MEMORY_BYTES,
     KernelBudget,
 )
+from pallas_kernels.padding import pad_axis1 as _pad_axis1
 from pallas_kernels.segment_attention.reference import MASKED
 from pallas_kernels.segment_attention.tile_tables import PAD_KEY_SEGMENT, PAD_QUERY_SEGMENT, tile_tables
 
@@ -157,15 +158,6 @@ def _kernel(
     acc, _, denom = jax.lax.fori_loop(f1, hi, masked_step, carry)
     safe = jnp.where(denom == 0.0, 1.0, denom)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
-
-
-def _pad_axis1(x, multiple: int, value):
-    pad = (-x.shape[1]) % multiple
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def segment_attention_pallas(
