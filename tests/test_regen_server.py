@@ -9,6 +9,7 @@ refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,9 +24,16 @@ import pytest
 
 from dflash_jax.config_io import ConfigError, from_dict
 from dflash_jax.data.sources import BadDataError
-from dflash_jax.decoding.answer_log import AnswerLog, read_answered
+from dflash_jax.decoding.answer_log import AnswerLog, read_answered, settings_path
 from dflash_jax.decoding.regen_server import _same_model, target_names
-from dflash_jax.decoding.regeneration import regenerate_file, reply_text, user_segments
+from dflash_jax.decoding.regeneration import (
+    InProcess,
+    answer_settings,
+    regenerate_file,
+    reply_text,
+    user_segments,
+)
+from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.training.run_config import RegenSection
 
 QUESTIONS = (
@@ -87,6 +95,25 @@ def test_resume_after_a_kill_redoes_only_the_torn_record_and_equals_a_clean_run(
     # Without resume the file is started anew.
     regenerate_file(killed, records[:2], qwen, ScriptedBackend(), resume=False)
     assert [json.loads(x)["id"] for x in killed.read_text().splitlines()] == ["q0", "q1"]
+
+
+def test_a_resume_with_other_answer_settings_is_refused_and_a_finished_file_keeps_none(qwen, tmp_path):
+    records, out = chat_records(), tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_file(out, records, qwen, ScriptedBackend(stop_after=2), resume=False, keep_reasoning=False)
+    assert settings_path(out).is_file()  # kept while the file is incomplete
+    with pytest.raises(BadDataError, match=r"keep_reasoning: False then, True now"):
+        regenerate_file(out, records, qwen, ScriptedBackend(), resume=True, keep_reasoning=True)
+    assert set(read_answered(out)[0]) == {"q0", "q1"}  # the refusal changed nothing
+    report = regenerate_file(out, records, qwen, ScriptedBackend(), resume=True, keep_reasoning=False)
+    assert report.resumed == 2 and report.written == len(records)
+    assert not settings_path(out).exists()  # complete: nothing left to resume
+    # The settings are the backend's dataclass fields, less those that only change the speed.
+    one = InProcess(target=None, max_new_tokens=8, batch_size=4, sampling=SamplingConfig(temperature=0.5))
+    other = dataclasses.replace(one, batch_size=16, show_progress=False)
+    assert answer_settings(one) == answer_settings(other)
+    assert answer_settings(one)["sampling"]["temperature"] == 0.5
+    assert answer_settings(one) != answer_settings(dataclasses.replace(one, max_new_tokens=9))
 
 
 def test_a_damaged_or_foreign_file_is_not_resumed(qwen, tmp_path):

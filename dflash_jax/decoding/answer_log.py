@@ -8,9 +8,13 @@ the middle of a write leaves a last line without its newline, or one that does n
 dropped (the file is cut back to the last whole line) and its record answered again. A bad line
 anywhere else is not a kill's trace but a damaged file, and is an error naming the line.
 
+While a file is incomplete, ``<file>.settings.json`` beside it holds what decides its answers (the
+backend, the model, the decoding and prompt settings): a resume with other settings would mix two
+kinds of answer in one file, so it is refused, naming each setting that differs.
+
 When every prompt is answered, :meth:`AnswerLog.finish` rewrites the file in the prompts' order, so a
 completed file does not depend on the order in which concurrent answers arrived or on where a run
-was interrupted.
+was interrupted, and removes the settings file.
 """
 
 from __future__ import annotations
@@ -62,15 +66,57 @@ def read_answered(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     return done, len(tail)
 
 
+def settings_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".settings.json")
+
+
+def _write_json_atomically(path: Path, value) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def check_settings(path: Path, settings: Mapping[str, Any], answered: int) -> None:
+    """Refuse to resume ``path`` (``answered`` records in it) with other ``settings`` than the ones
+    its first answers were made with."""
+    stored_at = settings_path(path)
+    if not stored_at.is_file():
+        if answered:
+            log.warning(
+                "%s: no %s beside it, so the settings of its %d answers are not known; resuming with "
+                "this run's",
+                path,
+                stored_at.name,
+                answered,
+            )
+        return
+    stored = json.loads(stored_at.read_text())
+    now = json.loads(json.dumps(dict(settings), sort_keys=True))  # as stored: tuples become lists
+    differ = sorted(k for k in stored.keys() | now.keys() if stored.get(k) != now.get(k))
+    if differ:
+        what = "; ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in differ)
+        raise BadDataError(
+            f"{path}: its {answered} answers were made with other settings ({what}); resume it with "
+            "those, or pass --overwrite to start it anew"
+        )
+
+
 class AnswerLog:
     """The regenerated records of one output file. ``resume=False`` starts it empty (replacing
     what is there: the caller has checked ``--overwrite``); ``resume=True`` keeps its whole lines
-    (:attr:`done`) and cuts a torn last one."""
+    (:attr:`done`) and cuts a torn last one. ``settings`` (JSON values): what decides the answers,
+    kept beside the file until :meth:`finish` and compared on a resume (:func:`check_settings`)."""
 
-    def __init__(self, path: str | os.PathLike, *, resume: bool):
+    def __init__(self, path: str | os.PathLike, *, resume: bool, settings: Mapping[str, Any] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: dict[str, dict] = {}
+        if resume and self.path.is_file() and settings is not None:
+            check_settings(self.path, settings, len(read_answered(self.path)[0]))
+        if settings is not None:
+            _write_json_atomically(settings_path(self.path), dict(settings))
         if resume and self.path.is_file():
             self.done, torn = read_answered(self.path)
             if torn:
@@ -126,6 +172,7 @@ class AnswerLog:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        settings_path(self.path).unlink(missing_ok=True)  # complete: nothing left to resume
         return n
 
     def __enter__(self) -> AnswerLog:
@@ -135,4 +182,4 @@ class AnswerLog:
         self.close()
 
 
-__all__ = ["AnswerLog", "read_answered"]
+__all__ = ["AnswerLog", "check_settings", "read_answered", "settings_path"]

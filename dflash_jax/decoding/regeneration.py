@@ -14,6 +14,7 @@ forward pass over it costs far less than decoding it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -322,6 +323,21 @@ class Server:
             bar.close()
 
 
+# Backend fields that change how fast answers come, not what they are.
+_NOT_ANSWER_SETTINGS = frozenset({"target", "server", "show_progress", "batch_size", "concurrency"})
+
+
+def answer_settings(backend, **prompting) -> dict:
+    """What decides a backend's answers, as JSON values: its kind and its dataclass fields but the
+    ones in ``_NOT_ANSWER_SETTINGS``, with ``prompting`` (prompt length, thinking, reasoning)."""
+    out = {"backend": type(backend).__name__, **prompting}
+    for field in dataclasses.fields(backend) if dataclasses.is_dataclass(backend) else ():
+        if field.name not in _NOT_ANSWER_SETTINGS:
+            value = getattr(backend, field.name)
+            out[field.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
 def regenerate_file(
     path,
     records: Sequence[dict],
@@ -337,8 +353,9 @@ def regenerate_file(
     ``path``, each record appended as its answer arrives. ``resume``: keep the records already in
     ``path`` (by id; a torn last line is answered again) and answer only the others; otherwise
     ``path`` is started anew (the caller checked it may be replaced). When done the file is
-    rewritten in the records' order (``decoding.answer_log``). Returns the report; ``written``
-    counts the file's records, resumed ones included."""
+    rewritten in the records' order (``decoding.answer_log``). A resume with other answer settings
+    (:func:`answer_settings`) than the file was started with is refused. Returns the report;
+    ``written`` counts the file's records, resumed ones included."""
     from dflash_jax.decoding.answer_log import AnswerLog
 
     report = RegenReport()
@@ -353,7 +370,13 @@ def regenerate_file(
         seen.add(rec_id)
     if not kept and not resume:
         return report  # nothing to answer: ``path`` is left as it was
-    with AnswerLog(path, resume=resume) as out:
+    settings = answer_settings(
+        backend,
+        max_prompt_tokens=max_prompt_tokens,
+        enable_thinking=enable_thinking,
+        keep_reasoning=keep_reasoning,
+    )
+    with AnswerLog(path, resume=resume, settings=settings) as out:
         stray = [rec_id for rec_id in out.done if rec_id not in seen]
         if stray:
             raise sources.BadDataError(
@@ -409,4 +432,12 @@ def read_records(source: str | Sequence[str], limit: int | None, on_bad_record: 
         src.close()
 
 
-__all__ = ["InProcess", "RegenReport", "Server", "read_records", "regenerate_file", "regenerate_records"]
+__all__ = [
+    "InProcess",
+    "RegenReport",
+    "Server",
+    "answer_settings",
+    "read_records",
+    "regenerate_file",
+    "regenerate_records",
+]
