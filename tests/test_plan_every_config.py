@@ -11,7 +11,15 @@ from dflash_jax.training.run_config import shipped_configs
 SMALL = ["data.batch_size=8", "data.max_length=64", "train.max_anchors=4", "train.micro_batches=1"]
 
 
-@pytest.mark.parametrize("name", shipped_configs())
+# In the default suite: the CPU demo's SmolLM2 path, the tiny families' and one real-size config
+# (each real-size compile costs ~40 s on a 2-core CI box); every other shipped config runs with
+# ``-m slow``, the whole sweep then.
+DEFAULT_SUITE = {"demo", "tiny", "tiny-moe", "tiny-hybrid", "qwen3-8b"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow) for n in shipped_configs()]
+)
 def test_plan_reads_no_weight(name, tmp_path, monkeypatch, capsys):
     import convert.safetensors_io as safetensors_io
     import convert.smollm2 as smollm2
