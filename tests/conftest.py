@@ -8,6 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# speculators torch.compile()s its block mask: inductor's native kernels loaded into this one long
+# process were followed by SIGSEGVs in later XLA compiles; the references run eagerly here.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import jax  # noqa: E402
 
