@@ -16,7 +16,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_executables():
+    """Each compiled CPU executable keeps ~3 memory mappings until jax's caches let it go; over the
+    suite's one process they passed the kernel's vm.max_map_count (65,530) at ~650 tests, and the
+    next XLA compile died (SIGSEGV or abort). A module's executables are released after it."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -42,9 +42,8 @@ def test_mlflow_receives_metrics_and_config_and_a_resume_continues_its_run(tmp_p
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume made no second run
 
 
-# wandb's client leaves service threads running in the process that used it; in the suite's one
-# long pytest process they outlived the test and the process later died in a native compile
-# (SIGSEGV), so the run happens in a child process as a training run would, and is checked here.
+# wandb's client leaves service threads running in the process that used it, so the run happens in a
+# child process, as a training run would, and is checked here.
 _WANDB_RUN = """
 import json
 import sys
