@@ -73,9 +73,13 @@ def settings_path(path: str | os.PathLike) -> Path:
 
 def _write_json_atomically(path: Path, value) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def check_settings(path: Path, settings: Mapping[str, Any], answered: int) -> None:
@@ -113,20 +117,19 @@ class AnswerLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: dict[str, dict] = {}
-        if resume and self.path.is_file() and settings is not None:
-            check_settings(self.path, settings, len(read_answered(self.path)[0]))
-        if settings is not None:
-            _write_json_atomically(settings_path(self.path), dict(settings))
+        torn = 0
         if resume and self.path.is_file():
             self.done, torn = read_answered(self.path)
-            if torn:
-                with open(self.path, "r+b") as f:
-                    f.truncate(self.path.stat().st_size - torn)
-                log.warning(
-                    "%s: dropped a torn last line (%d bytes); its record is answered again", path, torn
-                )
-            if self.done:
-                log.info("%s: resuming after %d answered records", path, len(self.done))
+            if settings is not None:  # before anything is changed: a refusal leaves the file as it was
+                check_settings(self.path, settings, len(self.done))
+        if settings is not None:
+            _write_json_atomically(settings_path(self.path), dict(settings))
+        if torn:
+            with open(self.path, "r+b") as f:
+                f.truncate(self.path.stat().st_size - torn)
+            log.warning("%s: dropped a torn last line (%d bytes); its record is answered again", path, torn)
+        if self.done:
+            log.info("%s: resuming after %d answered records", path, len(self.done))
         self._file = open(self.path, "a" if resume else "w", encoding="utf-8")  # noqa: SIM115
         self._synced_at = time.monotonic()
 
